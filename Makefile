@@ -1,0 +1,54 @@
+# Raylift. `make demo` and `make test` are the two commands a new user needs; each
+# builds .venv by itself. torch is installed first, pinned, so nothing resolves a CUDA
+# build on a CPU machine.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.raylift-installed
+EXTRAS := train,tools,infra,dev
+TORCH := torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint format bench image push clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python tools/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m ruff format --check .
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/python -m ruff format .
+	$(BIN)/python -m ruff check --fix .
+
+$(VENV)/.raylift-bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS),bench]'
+	@touch $@
+
+bench: $(VENV)/.raylift-bench
+	$(BIN)/python -m pytest tests/bench -s -p no:cacheprovider -o testpaths=tests/bench
+
+image: $(STAMP)
+	$(BIN)/python tools/image.py build $(IMAGE_ARGS)
+
+push: $(STAMP)
+	$(BIN)/python tools/image.py push $(IMAGE_ARGS)
+
+clean:
+	rm -rf build .pytest_cache .ruff_cache

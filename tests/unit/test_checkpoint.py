@@ -1,0 +1,78 @@
+"""Checkpoint completeness, torn-checkpoint handling and pruning, on a real filesystem."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trainer import checkpoint as ck
+from trainer.storage import resolve
+
+
+def make_ckpt(run: Path, step: int, world: int = 2, torn: str | None = None) -> Path:
+    d = run / ck.dir_name(step)
+    for r in range(world):
+        before = ck.local_files(d) if d.exists() else set()
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "rng").mkdir(exist_ok=True)
+        (d / "rng" / f"rank_{r}.pt").write_bytes(b"x" * (10 + r))
+        if r == 0:
+            (d / "model").mkdir(exist_ok=True)
+            (d / "model" / "model.safetensors").write_bytes(b"w" * 100)
+            (d / ck.STATE_FILE).write_text(json.dumps({"step": step, "world_size": world}))
+        ck.write_manifest(d, r, before)
+    if torn == "truncated":
+        (d / "model" / "model.safetensors").write_bytes(b"w" * 40)
+    elif torn == "missing-rank":
+        (d / "done" / f"rank_{world - 1}.json").unlink()
+    elif torn == "no-state":
+        (d / ck.STATE_FILE).unlink()
+    return d
+
+
+def test_complete_checkpoint(tmp_path):
+    make_ckpt(tmp_path, 4)
+    state, why = ck.completeness(resolve(str(tmp_path)).join(ck.dir_name(4)))
+    assert why == "" and state["step"] == 4
+
+
+def test_each_kind_of_torn_checkpoint_is_rejected(tmp_path):
+    for step, kind, reason in (
+        (1, "truncated", "expected 100 bytes, found 40"),
+        (2, "missing-rank", "rank 1 manifest missing"),
+        (3, "no-state", "trainer_state.json missing"),
+    ):
+        make_ckpt(tmp_path, step, torn=kind)
+        state, why = ck.completeness(resolve(str(tmp_path)).join(ck.dir_name(step)))
+        assert state is None and reason in why
+
+
+def test_latest_skips_a_torn_newer_checkpoint(tmp_path):
+    make_ckpt(tmp_path, 4)
+    make_ckpt(tmp_path, 8, torn="truncated")
+    latest = ck.find_latest(resolve(str(tmp_path)))
+    assert latest is not None and latest.path.endswith("step_00000004")
+
+
+def test_prune_keeps_last_k_and_never_the_newest(tmp_path):
+    for s in (2, 4, 6, 8):
+        make_ckpt(tmp_path, s)
+    make_ckpt(tmp_path, 5, torn="missing-rank")
+    make_ckpt(tmp_path, 10, torn="truncated")  # newer than the newest complete: kept
+    ck.prune(resolve(str(tmp_path)), keep_last=2)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["step_00000006", "step_00000008", "step_00000010"]
+
+
+def test_rng_round_trip(tmp_path):
+    import torch
+
+    torch.manual_seed(3)
+    state = ck.rng_state()
+    a = torch.rand(3)
+    d = tmp_path / "c"
+    (d / "rng").mkdir(parents=True)
+    torch.save(state, d / "rng" / "rank_0.pt")
+    assert ck.load_rng(d, 0)
+    assert torch.equal(torch.rand(3), a)
+    assert not ck.load_rng(d, 1)

@@ -1,0 +1,121 @@
+"""Config validation: each class of bad input is one clear error naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.config import load_config
+from trainer.errors import ConfigError
+
+GOOD = {
+    "model": {"path": "/models/llama"},
+    "data": {"train_file": "/data/train.jsonl", "block_size": 128},
+    "train": {"micro_batch_size": 2, "max_steps": 10},
+    "scaling": {"num_workers": 4},
+    "run": {"name": "ok-run"},
+}
+
+
+def write(tmp_path: Path, data: dict | str) -> Path:
+    p = tmp_path / "job.yaml"
+    p.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False))
+    return p
+
+
+def error_of(tmp_path: Path, data: dict | str, overrides: list[str] | None = None) -> str:
+    with pytest.raises(ConfigError) as exc:
+        load_config(write(tmp_path, data), overrides)
+    return str(exc.value)
+
+
+def test_good_config_has_derived_values(tmp_path):
+    cfg = load_config(write(tmp_path, GOOD))
+    assert cfg.global_batch == 2 * 1 * 4
+    assert cfg.tokens_per_step == 8 * 128
+    assert cfg.backend == "gloo"
+    assert cfg.checkpoint.keep_last == 3
+
+
+def test_unknown_key_names_field_and_line(tmp_path):
+    text = yaml.safe_dump(GOOD, sort_keys=False).replace(
+        "max_steps: 10", "max_steps: 10\n  lerning_rate: 1"
+    )
+    msg = error_of(tmp_path, text)
+    line = next(i for i, s in enumerate(text.splitlines(), 1) if "lerning_rate" in s)
+    assert f"job.yaml:{line}: train.lerning_rate: unknown key" in msg
+
+
+def test_wrong_type_shows_value(tmp_path):
+    msg = error_of(tmp_path, GOOD, ["train.micro_batch_size=two"])
+    assert "train.micro_batch_size" in msg and "'two'" in msg
+
+
+def test_missing_required_section(tmp_path):
+    data = {k: v for k, v in GOOD.items() if k != "run"}
+    assert "run: required field is missing" in error_of(tmp_path, data)
+
+
+def test_global_batch_must_divide(tmp_path):
+    msg = error_of(tmp_path, GOOD, ["train.global_batch_size=20"])
+    assert "train.global_batch_size: 20 is not divisible by" in msg and "= 8" in msg
+
+
+def test_global_batch_derives_grad_accum(tmp_path):
+    cfg = load_config(write(tmp_path, GOOD), ["train.global_batch_size=32"])
+    assert cfg.train.grad_accum == 4 and cfg.global_batch == 32
+
+
+def test_contradicting_grad_accum(tmp_path):
+    msg = error_of(tmp_path, GOOD, ["train.global_batch_size=32", "train.grad_accum=3"])
+    assert "train.grad_accum: 3 contradicts" in msg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["train.precision=bf16"], "train.precision: bf16 needs GPUs"),
+        (["scaling.backend=nccl"], "scaling.backend: nccl needs"),
+        (["model.attn_implementation=flash_attention_2"], "flash_attention_2 needs GPUs"),
+        (["train.strategy=zero9"], "train.strategy: 'zero9' is not available"),
+        (["run.name=has space"], "run.name: 'has space'"),
+        (["train.stop_at_step=11"], "stop_at_step: 11 is past max_steps 10"),
+        (["optim.warmup_steps=10"], "optim.warmup_steps: 10 leaves no steps"),
+        (["storage.endpoint_override=http://127.0.0.1:9"], "endpoint_override is only"),
+        (["optim.lr=-1"], "optim.lr"),
+        (["data.block_size=1"], "data.block_size"),
+    ],
+)
+def test_impossible_combinations(tmp_path, overrides, needle):
+    assert needle in error_of(tmp_path, GOOD, overrides)
+
+
+def test_yaml_syntax_error_has_line(tmp_path):
+    msg = error_of(tmp_path, "model:\n  path: [unclosed\nrun:\n  name: x\n")
+    assert msg.startswith(str(tmp_path / "job.yaml") + ":") and "not valid YAML" in msg
+
+
+def test_override_creates_and_parses_values(tmp_path):
+    cfg = load_config(
+        write(tmp_path, GOOD), ["optim.lr=1e-4", "checkpoint.every_steps=5", "optim.grad_clip=null"]
+    )
+    assert cfg.optim.lr == pytest.approx(1e-4)
+    assert cfg.checkpoint.every_steps == 5
+    assert cfg.optim.grad_clip is None
+
+
+def test_bad_override_syntax(tmp_path):
+    assert "expected section.field=value" in error_of(tmp_path, GOOD, ["lr=1"])
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config("/nonexistent/job.yaml")
+
+
+def test_round_trip_yaml(tmp_path):
+    cfg = load_config(write(tmp_path, GOOD), ["train.global_batch_size=16"])
+    again = load_config(write(tmp_path, cfg.to_yaml()))
+    assert again == cfg

@@ -1,0 +1,127 @@
+"""Data pipeline: formats, malformed lines, the tokenized cache, and the batch plan."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from trainer.data import (
+    BatchPlan,
+    PackedBlocks,
+    ScanReport,
+    eval_indices,
+    iter_documents,
+    load_special_tokens,
+    prepare,
+)
+from trainer.errors import DataError
+from trainer.model import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    return load_tokenizer(tiny["model"], str(tiny["tokens"]))
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_special_tokens_are_single_tokens(tokenizer, tiny):
+    tokens = load_special_tokens(tiny["tokens"])
+    for tok in tokens:
+        ids = tokenizer.backend_tokenizer.encode(tok, add_special_tokens=False).ids
+        assert len(ids) == 1, tok
+    assert len(tokenizer) == 512 + len(tokens)
+
+
+def test_both_formats_and_eos_kept(tmp_path, tokenizer):
+    data = write_jsonl(
+        tmp_path / "d.jsonl", [{"text": "Ana has 3 pens."}, {"input": "<START_Q>hi<END_Q>"}]
+    )
+    cache = prepare(data, tokenizer, progress=False)
+    ids = np.asarray(cache.tokens())
+    eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
+    assert cache.meta["documents"] == 2
+    # Each document is BOS … EOS, so the model learns to stop (EOS is never padding here).
+    assert ids[0] == bos and int((ids == eos).sum()) == 2 and ids[-1] == eos
+    assert tokenizer.convert_tokens_to_ids("<START_Q>") in ids
+
+
+def test_malformed_line_error_and_skip(tmp_path, tokenizer):
+    rows = [{"text": "one"}, '{"text": "two"', {"text": 3}, {"text": "four"}, ""]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(DataError, match=rf"{data}:2: not valid JSON"):
+        prepare(data, tokenizer, progress=False)
+    cache = prepare(data, tokenizer, on_bad_line="skip", progress=False)
+    meta = cache.meta
+    assert (meta["documents"], meta["skipped_lines"]) == (2, 2)
+    assert meta["first_skipped"][0].startswith(f"{data}:2:")
+    assert meta["first_skipped"][1].startswith(f"{data}:3: expected an object")
+
+
+def test_iter_documents_counts(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "a"}, "[1, 2]", {"input": "b"}])
+    report = ScanReport()
+    assert list(iter_documents(data, "skip", report)) == ["a", "b"]
+    assert (report.documents, report.skipped) == (2, 1)
+
+
+def test_cache_is_reused_and_invalidated(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "Ana has 3 pens."}] * 10)
+    first = prepare(data, tokenizer, progress=False)
+    assert prepare(data, tokenizer, progress=False).dir == first.dir
+    write_jsonl(data, [{"text": "Ben has 4 books."}] * 11)
+    second = prepare(data, tokenizer, progress=False)
+    assert second.dir != first.dir and second.meta["documents"] == 11
+    # No temp folders are left behind next to the caches.
+    assert not [p for p in first.dir.parent.iterdir() if ".tmp-" in p.name]
+
+
+def test_packed_blocks(tmp_path, tokenizer):
+    data = write_jsonl(
+        tmp_path / "d.jsonl", [{"text": f"row {i} of the corpus"} for i in range(50)]
+    )
+    cache = prepare(data, tokenizer, progress=False)
+    blocks = PackedBlocks(cache, 16)
+    assert len(blocks) == cache.meta["num_tokens"] // 16
+    got = blocks.gather(np.array([2, 0]))
+    flat = np.asarray(cache.tokens())
+    assert got.dtype == np.int64 and got.shape == (2, 16)
+    assert (got[0] == flat[32:48]).all() and (got[1] == flat[:16]).all()
+
+
+def test_plan_shards_are_disjoint_and_cover_the_epoch():
+    plan = BatchPlan(num_blocks=103, micro_batch_size=3, grad_accum=2, world_size=4, seed=1)
+    assert plan.global_batch == 24 and plan.steps_per_epoch == 4
+    seen = []
+    for step in range(plan.steps_per_epoch):
+        for rank in range(4):
+            for mb in plan.step_indices(step, rank):
+                assert len(mb) == 3
+                seen.extend(mb.tolist())
+    assert len(seen) == len(set(seen)) == 96  # no block read twice in an epoch
+    # The next epoch is a different order over the same blocks.
+    e1 = [i for r in range(4) for mb in plan.step_indices(4, r) for i in mb.tolist()]
+    e0 = [i for r in range(4) for mb in plan.step_indices(0, r) for i in mb.tolist()]
+    assert e1 != e0
+
+
+def test_plan_is_world_size_independent():
+    """The same global batch reads the same blocks at each step, whatever the split."""
+    a = BatchPlan(num_blocks=200, micro_batch_size=2, grad_accum=4, world_size=1, seed=5)
+    b = BatchPlan(num_blocks=200, micro_batch_size=2, grad_accum=1, world_size=4, seed=5)
+    for step in (0, 3, 11, 30):
+        sa = sorted(i for mb in a.step_indices(step, 0) for i in mb.tolist())
+        sb = sorted(i for r in range(4) for mb in b.step_indices(step, r) for i in mb.tolist())
+        assert sa == sb
+
+
+def test_eval_indices_split_across_ranks():
+    parts = [eval_indices(10, 2, 3, r, None) for r in range(3)]
+    flat = sorted(i for p in parts for mb in p for i in mb.tolist())
+    assert flat == list(range(10))
+    assert [len(mb) for mb in eval_indices(10, 2, 3, 0, 1)] == [2]

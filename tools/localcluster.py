@@ -1,0 +1,229 @@
+"""A local multi-node Ray cluster on 127.0.0.1 with the Jobs API and token authentication.
+
+Each node is a real raylet with its own CPUs, custom resources and labels, started through
+`ray.cluster_utils.Cluster` with `node_ip_address="127.0.0.1"`. (`ray start` swaps a
+loopback address for the machine's outward one, and with that swap turned off it refuses
+to add worker nodes, so the CLI cannot keep a multi-node cluster on loopback.) Stopping
+the cluster ends exactly its own processes; other Ray instances on the machine are
+untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("raylift.localcluster")
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class LocalCluster:
+    def __init__(self, num_cpus: int = 2, head_labels: dict[str, str] | None = None):
+        self.num_cpus = num_cpus
+        self.head_labels = dict(head_labels or {})
+        self.token = secrets.token_hex(32)
+        self.temp_dir: Path | None = None
+        self.dashboard_port = 0
+        self._cluster: Any = None
+        self._nodes: list[Any] = []
+        self._saved_env: dict[str, str | None] = {}
+
+    @property
+    def address(self) -> str:
+        return self._cluster.address
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://{HOST}:{self.dashboard_port}"
+
+    @property
+    def token_path(self) -> Path:
+        assert self.temp_dir is not None
+        return self.temp_dir / "auth_token"
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def _set_env(self) -> None:
+        """Node processes inherit this process's environment."""
+        env = {
+            # Token authentication, as on the real cluster: the Jobs API and every Ray
+            # server answer only to this cluster's own token.
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(self.token_path),
+            "RAY_USAGE_STATS_ENABLED": "0",
+            # Jobs run `python -m trainer`: make that this interpreter.
+            "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
+        }
+        for key, value in env.items():
+            self._saved_env.setdefault(key, os.environ.get(key))
+            os.environ[key] = value
+        for key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
+            self._saved_env.setdefault(key, os.environ.get(key))
+            os.environ.pop(key, None)
+        # Ray reads RAY_AUTH_MODE into its config when first imported; re-read it so this
+        # process (which starts the GCS and talks to it) uses token mode too. Ray 2.60's
+        # own `ray start` does the same after enabling token auth.
+        from ray._raylet import Config
+
+        Config.initialize("")
+
+    def _restore_env(self) -> None:
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_env.clear()
+
+    def start(self, timeout: float = 180.0) -> LocalCluster:
+        from ray.cluster_utils import Cluster
+
+        # Ray's socket paths must stay short: keep the session dir directly under /tmp.
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="rl-", dir="/tmp"))
+        self.token_path.write_text(self.token)
+        self.token_path.chmod(0o600)
+        self._set_env()
+        self.dashboard_port = free_port()
+        try:
+            self._cluster = Cluster(
+                initialize_head=True,
+                head_node_args={
+                    "node_ip_address": HOST,
+                    "num_cpus": self.num_cpus,
+                    "include_dashboard": True,
+                    "dashboard_host": HOST,
+                    "dashboard_port": self.dashboard_port,
+                    "temp_dir": str(self.temp_dir),
+                    "labels": self.head_labels,
+                    "object_store_memory": 256 * 1024 * 1024,
+                },
+                shutdown_at_exit=True,
+            )
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def add_node(
+        self,
+        num_cpus: int = 1,
+        labels: dict[str, str] | None = None,
+        resources: dict[str, float] | None = None,
+    ) -> Any:
+        node = self._cluster.add_node(
+            node_ip_address=HOST,
+            num_cpus=num_cpus,
+            labels=dict(labels or {}),
+            resources=dict(resources or {}),
+            object_store_memory=128 * 1024 * 1024,
+        )
+        self._nodes.append(node)
+        return node
+
+    def remove_node(self, node: Any) -> None:
+        """Kill a whole node (raylet and its workers), as a reclaimed spot instance dies."""
+        self._cluster.remove_node(node, allow_graceful=False)
+        self._nodes.remove(node)
+
+    def _get(self, path: str) -> Any:
+        req = urllib.request.Request(self.dashboard_url + path, headers=self.auth_headers)
+        with urllib.request.urlopen(req, timeout=3) as r:
+            return json.loads(r.read() or b"null")
+
+    def wait_ready(self, timeout: float) -> None:
+        """Poll the Jobs API (with the token) until it answers."""
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                self._get("/api/jobs/")
+                return
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                last = exc
+            time.sleep(0.3)
+        raise TimeoutError(
+            f"Ray Jobs API at {self.dashboard_url} not ready after {timeout:.0f}s: {last}"
+        )
+
+    def wait_nodes(self, count: int, timeout: float = 120.0) -> None:
+        """Block until `count` nodes are alive (the dashboard's node list)."""
+        deadline = time.monotonic() + timeout
+        alive = 0
+        while time.monotonic() < deadline:
+            try:
+                summary = self._get("/nodes?view=summary").get("data", {}).get("summary", [])
+                alive = sum(1 for n in summary if n.get("raylet", {}).get("state") == "ALIVE")
+                if alive >= count:
+                    return
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"only {alive} of {count} Ray nodes alive after {timeout:.0f}s")
+
+    def stop(self) -> None:
+        if self._cluster is not None:
+            try:
+                self._cluster.shutdown()
+            finally:
+                self._cluster = None
+        self._kill_leftovers()
+        self._restore_env()
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def _kill_leftovers(self) -> None:
+        """Job drivers and workers that outlived their raylet still name our session dir."""
+        if self.temp_dir is None:
+            return
+        import psutil
+
+        mark = str(self.temp_dir)
+        for p in psutil.process_iter(["cmdline"]):
+            if p.pid != os.getpid() and mark in " ".join(p.info.get("cmdline") or []):
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="Run a local Ray cluster on 127.0.0.1 until Ctrl-C.")
+    p.add_argument("--num-cpus", type=int, default=2)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    with LocalCluster(num_cpus=args.num_cpus, head_labels={"large_cpu_mem": "true"}) as c:
+        print(f"RAY_ADDRESS={c.dashboard_url}", flush=True)
+        print(f"RAY_AUTH_TOKEN_PATH={c.token_path}", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.pause()
+
+
+if __name__ == "__main__":
+    main()

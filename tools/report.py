@@ -1,0 +1,96 @@
+"""Summarise a run from its metrics file: the loss curve as a PNG and the key numbers.
+
+python tools/report.py STORAGE_PATH/RUN_NAME [--out loss.png] [--endpoint-override URL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.metrics import lineage, read_records
+from trainer.storage import resolve
+
+
+def load_run(run_uri: str, endpoint_override: str | None = None) -> dict[str, Any]:
+    run = resolve(run_uri, endpoint_override)
+    records = read_records(run.join("metrics.jsonl"))
+    steps, wasted = lineage(records)
+    evals = [r for r in steps if "eval_loss" in r]
+    restarts = sum(1 for r in records if r.get("event") == "resume")
+    return {"steps": steps, "evals": evals, "wasted_steps": wasted, "restarts": restarts}
+
+
+def plot(run: dict[str, Any], out: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = run["steps"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot([r["step"] for r in steps], [r["loss"] for r in steps], label="train loss")
+    if run["evals"]:
+        ax1.plot(
+            [r["step"] for r in run["evals"]],
+            [r["eval_loss"] for r in run["evals"]],
+            "o-",
+            label="eval loss",
+        )
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("loss")
+    ax1.set_title(title)
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    ax2.plot([r["step"] for r in steps], [r["tokens_per_s"] for r in steps], color="tab:green")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("tokens/s (all workers)")
+    ax2.set_title("throughput")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def summary_lines(run: dict[str, Any]) -> list[str]:
+    steps = run["steps"]
+    if not steps:
+        return ["no steps recorded"]
+    last = steps[-1]
+    window = steps[len(steps) // 2 :] or steps
+    tps = sum(r["tokens_per_s"] for r in window) / len(window)
+    lines = [
+        f"steps: {last['step']}  (restarts: {run['restarts']}, steps lost to restarts: "
+        f"{run['wasted_steps']})",
+        f"loss: {steps[0]['loss']:.4f} → {last['loss']:.4f}",
+        f"tokens/s (all workers, second half of the run): {tps:,.0f}",
+    ]
+    if run["evals"]:
+        lines.append(
+            f"eval loss: {run['evals'][-1]['eval_loss']:.4f} "
+            f"(perplexity {run['evals'][-1]['eval_perplexity']:.2f})"
+        )
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("run", help="the run's folder: <storage.path>/<run.name>")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--endpoint-override", default=None)
+    args = p.parse_args()
+    run = load_run(args.run, args.endpoint_override)
+    for line in summary_lines(run):
+        print(line)
+    out = args.out or Path("build") / "reports" / (Path(args.run).name + "-loss.png")
+    print(f"plot: {plot(run, out, Path(args.run).name)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""`python -m trainer run job.yaml [--set section.field=value ...] [--as-test]`.
+
+The same command runs as a Ray job's entrypoint (it starts a TorchTrainer on the cluster)
+and under torchrun (it detects the torchrun environment and trains in-process), so Slurm
+and Kubernetes users keep the same loop and the same checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from trainer.config import load_config
+from trainer.errors import UserError
+from trainer.logs import setup_logging
+
+log = logging.getLogger("trainer")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, helptext in (
+        ("run", "validate, tokenize and train"),
+        ("validate", "validate the config and inputs, then exit"),
+    ):
+        s = sub.add_parser(name, help=helptext)
+        s.add_argument("config", help="job YAML")
+        s.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="SECTION.FIELD=VALUE",
+            help="override a config field",
+        )
+        s.add_argument(
+            "--as-test",
+            action="store_true",
+            help="one forward/backward and one step, no checkpoint",
+        )
+        s.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    setup_logging(args.debug)
+    try:
+        overrides = list(args.overrides) + (["train.as_test=true"] if args.as_test else [])
+        cfg = load_config(args.config, overrides)
+        if args.command == "validate":
+            from trainer.preflight import run_all
+
+            report = run_all(cfg, strict=True)
+            for note in report.notes:
+                print(f"note: {note}")
+            print(
+                f"{args.config}: ok (global batch {cfg.global_batch}, "
+                f"{cfg.tokens_per_step} tokens/step)"
+            )
+            return 0
+        from trainer.launch import run_job
+
+        summary = run_job(cfg)
+        print("RAYLIFT_SUMMARY " + json.dumps(summary, default=str), flush=True)
+        return 0
+    except UserError as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if args.debug:
+            raise
+        cause = _root_cause(exc)
+        if isinstance(cause, UserError):
+            print(f"error: {cause}", file=sys.stderr)
+            return 2
+        print(
+            f"error: {type(cause).__name__}: {cause} (rerun with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """Ray wraps worker exceptions; the user's problem is the innermost one."""
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        inner = getattr(exc, "cause", None) or exc.__cause__
+        if inner is None:
+            errors = getattr(exc, "worker_failures", None)
+            if isinstance(errors, dict) and errors:
+                inner = next(iter(errors.values()))
+        if inner is None or not isinstance(inner, BaseException):
+            break
+        exc = inner
+    return exc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""The one job config: loaded from YAML, validated once, passed as-is to every worker.
+
+This module is pure (pydantic + PyYAML only) so `tools/` can validate a job on a laptop
+without torch or Ray. Checks that need the model's own config.json or the data files live
+in `trainer.preflight`, which runs on the client and again on the cluster before workers
+are started.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trainer.errors import ConfigError
+
+STRATEGIES = ("ddp",)
+"""Strategies this build of the trainer implements; `trainer.strategies` registers them."""
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class _Section(BaseModel):
+    """Every section rejects unknown keys: a typo must not silently become a default."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    path: str = Field(description="HF model folder: local dir, shared-FS dir, or s3:// URI.")
+    tokenizer: str | None = Field(
+        default=None, description="Tokenizer folder; defaults to the model folder."
+    )
+    special_tokens: str | None = Field(
+        default=None,
+        description='JSON file {"tokens": [...]} added to the tokenizer; embeddings resized.',
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    gradient_checkpointing: bool = False
+
+
+class DataSection(_Section):
+    train_file: str = Field(description='JSONL with {"input": ...} or {"text": ...} rows.')
+    eval_file: str | None = None
+    block_size: int = Field(default=1024, gt=1, description="Tokens per packed sequence.")
+    on_bad_line: Literal["error", "skip"] = Field(
+        default="error",
+        description="error: stop at the first malformed line (file:line). "
+        "skip: skip it, count it, and report the count and first line numbers.",
+    )
+    append_eos: bool = Field(
+        default=True, description="End every document with EOS (kept in the loss)."
+    )
+    cache_dir: str | None = Field(
+        default=None,
+        description="Where tokenized caches go; default is next to the data file.",
+    )
+
+
+class OptimSection(_Section):
+    lr: float = Field(default=3e-4, gt=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(default=0, ge=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="Floor of cosine/linear.")
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(default=1e-8, gt=0)
+    grad_clip: float | None = Field(default=1.0, gt=0, description="Max grad norm; null = off.")
+
+
+class TrainSection(_Section):
+    strategy: str = Field(default="ddp", description=f"One of: {', '.join(STRATEGIES)}.")
+    micro_batch_size: int = Field(
+        default=1, ge=1, description="Sequences per worker per micro step."
+    )
+    grad_accum: int = Field(default=1, ge=1)
+    global_batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="Sequences per optimizer step over all workers. If set, grad_accum is "
+        "derived from it and must divide evenly.",
+    )
+    epochs: float | None = Field(default=1, gt=0)
+    max_steps: int | None = Field(default=None, ge=1, description="Overrides epochs if set.")
+    stop_at_step: int | None = Field(
+        default=None,
+        ge=1,
+        description="End this submission after this step (the schedule still spans the "
+        "whole run); resubmit with the same run name to continue.",
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    seed: int = 42
+    eval_every: int | None = Field(default=None, ge=1, description="Steps between evals.")
+    eval_batches: int | None = Field(
+        default=None, ge=1, description="Micro batches per worker per eval; null = whole file."
+    )
+    log_every: int = Field(default=1, ge=1, description="Steps between metric reports.")
+    as_test: bool = Field(
+        default=False, description="One forward/backward and one step, then exit (smoke test)."
+    )
+
+
+class ScalingSection(_Section):
+    num_workers: int = Field(default=2, ge=1)
+    use_gpu: bool = False
+    resources_per_worker: dict[str, float] | None = None
+    backend: Literal["auto", "gloo", "nccl", "ccl"] = Field(
+        default="auto", description="auto: nccl with GPUs, gloo without."
+    )
+    rank0_label: dict[str, str] | None = Field(
+        default_factory=lambda: {"large_cpu_mem": "true"},
+        description="Put rank 0 on a node with these labels when the cluster has one.",
+    )
+
+
+class CheckpointSection(_Section):
+    every_steps: int | None = Field(default=None, ge=1, description="null = only at the end.")
+    keep_last: int = Field(default=3, ge=1)
+
+
+class StorageSection(_Section):
+    path: str = Field(
+        default="./runs", description="Local dir, shared-FS dir, or s3://bucket/prefix."
+    )
+    endpoint_override: str | None = Field(
+        default=None, description="S3-compatible endpoint, e.g. http://127.0.0.1:8333."
+    )
+    region: str | None = None
+
+    @property
+    def is_s3(self) -> bool:
+        return self.path.startswith("s3://")
+
+
+class RunSection(_Section):
+    name: str = Field(description="Run name; same name + storage = resume.")
+    max_failures: int = Field(
+        default=3, ge=-1, description="Worker-group restarts allowed; -1 = forever."
+    )
+
+
+class JobConfig(_Section):
+    model: ModelSection
+    data: DataSection
+    train: TrainSection = Field(default_factory=TrainSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    scaling: ScalingSection = Field(default_factory=ScalingSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    storage: StorageSection = Field(default_factory=StorageSection)
+    run: RunSection
+
+    @model_validator(mode="after")
+    def _combinations(self) -> JobConfig:
+        t, s = self.train, self.scaling
+        if t.strategy not in STRATEGIES:
+            raise ValueError(
+                f"train.strategy: {t.strategy!r} is not available; choose one of "
+                f"{', '.join(STRATEGIES)}"
+            )
+        if t.global_batch_size is not None:
+            per_step = t.micro_batch_size * s.num_workers
+            if t.global_batch_size % per_step:
+                raise ValueError(
+                    f"train.global_batch_size: {t.global_batch_size} is not divisible by "
+                    f"micro_batch_size × num_workers = {t.micro_batch_size} × "
+                    f"{s.num_workers} = {per_step}"
+                )
+            derived = t.global_batch_size // per_step
+            if t.grad_accum not in (1, derived):
+                raise ValueError(
+                    f"train.grad_accum: {t.grad_accum} contradicts global_batch_size "
+                    f"{t.global_batch_size} (which implies {derived}); set only one"
+                )
+            object.__setattr__(t, "grad_accum", derived)
+        if t.epochs is None and t.max_steps is None:
+            raise ValueError("train: set epochs or max_steps")
+        if t.max_steps is not None and t.stop_at_step is not None and t.stop_at_step > t.max_steps:
+            raise ValueError(
+                f"train.stop_at_step: {t.stop_at_step} is past max_steps {t.max_steps}"
+            )
+        if t.max_steps is not None and self.optim.warmup_steps >= t.max_steps > 1:
+            raise ValueError(
+                f"optim.warmup_steps: {self.optim.warmup_steps} leaves no steps after warmup "
+                f"(max_steps is {t.max_steps})"
+            )
+        if t.precision != "fp32" and not s.use_gpu:
+            raise ValueError(
+                f"train.precision: {t.precision} needs GPUs (scaling.use_gpu: true); "
+                "use fp32 for CPU training"
+            )
+        if s.backend == "nccl" and not s.use_gpu:
+            raise ValueError("scaling.backend: nccl needs scaling.use_gpu: true; use gloo or ccl")
+        if self.model.attn_implementation == "flash_attention_2" and not s.use_gpu:
+            raise ValueError(
+                "model.attn_implementation: flash_attention_2 needs GPUs; use sdpa on CPU"
+            )
+        if s.resources_per_worker and s.use_gpu and s.resources_per_worker.get("GPU", 1) <= 0:
+            raise ValueError("scaling.resources_per_worker.GPU must be > 0 when use_gpu is true")
+        if not _RUN_NAME.match(self.run.name):
+            raise ValueError(
+                f"run.name: {self.run.name!r} must be 1-128 of letters, digits, '.', '_', '-' "
+                "(it becomes a storage path)"
+            )
+        if self.storage.endpoint_override and not self.storage.is_s3:
+            raise ValueError("storage.endpoint_override is only meaningful for an s3:// path")
+        return self
+
+    # Derived values every part of the trainer agrees on.
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step across all workers."""
+        return self.train.micro_batch_size * self.train.grad_accum * self.scaling.num_workers
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.data.block_size
+
+    @property
+    def backend(self) -> str:
+        if self.scaling.backend != "auto":
+            return self.scaling.backend
+        return "nccl" if self.scaling.use_gpu else "gloo"
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# ---------------------------------------------------------------- loading and overrides
+
+
+class _LineLoader(yaml.SafeLoader):
+    """SafeLoader that remembers the line of every mapping key, for error messages."""
+
+
+def _key_lines(text: str) -> dict[tuple[str, ...], int]:
+    lines: dict[tuple[str, ...], int] = {}
+
+    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    sub = (*path, str(key.value))
+                    lines[sub] = key.start_mark.line + 1
+                    walk(value, sub)
+
+    try:
+        root = yaml.compose(text, Loader=_LineLoader)
+    except yaml.YAMLError:
+        return lines
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`train.lr=1e-4` → (["train", "lr"], 0.0001). Values are parsed as YAML scalars."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected section.field=value")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"override {item!r}: expected section.field=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {item!r}: value is not valid YAML ({exc})") from None
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def _format_errors(exc: ValidationError, source: str, lines: dict[tuple[str, ...], int]) -> str:
+    out = []
+    for err in exc.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        field = ".".join(loc) if loc else "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; see the config reference in README.md)"
+        elif err["type"] == "missing":
+            msg = "required field is missing"
+        elif "input" in err and err["type"] not in ("value_error",):
+            msg = f"{msg} (got {err['input']!r})"
+        where = source
+        probe = loc
+        while probe and probe not in lines:
+            probe = probe[:-1]
+        if probe:
+            where = f"{source}:{lines[probe]}"
+        if msg.startswith(field + ":") or (not loc and ":" in msg.split(" ")[0]):
+            out.append(f"{where}: {msg}")
+        else:
+            out.append(f"{where}: {field}: {msg}")
+    return "\n".join(out)
+
+
+def load_config(
+    source: str | Path | dict[str, Any], overrides: list[str] | None = None
+) -> JobConfig:
+    """Load, override and validate a job config; raises ConfigError with every problem found."""
+    overrides = overrides or []
+    if isinstance(source, dict):
+        data, name, text = json.loads(json.dumps(source)), "<config>", ""
+    else:
+        path = Path(source)
+        name = str(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config file not found") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark else str(path)
+            raise ConfigError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the config must be a mapping of sections")
+    data = apply_overrides(data, overrides)
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, name, _key_lines(text))) from None

@@ -1,0 +1,211 @@
+"""The driver: preflight, tokenize once, then start the workers (Ray Train or torchrun).
+
+This runs where `python -m trainer run` runs: the Ray job's entrypoint on the head node,
+or every torchrun process. Everything that can fail on user input fails here, before a
+worker group is created.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict
+from typing import Any
+
+from trainer import preflight
+from trainer.config import JobConfig
+from trainer.data import prepare
+from trainer.errors import UserError
+from trainer.loop import Prepared
+from trainer.runtime import run_location
+
+log = logging.getLogger("trainer.launch")
+
+
+def prepare_inputs(cfg: JobConfig, progress: bool = True) -> Prepared:
+    """Resolve model/tokenizer folders (downloading S3 ones to this node) and tokenize the
+    data into caches next to it, which every worker then memory-maps."""
+    from trainer.model import load_tokenizer, local_model_dir, local_tokenizer_dir
+
+    model_dir = local_model_dir(cfg)
+    tok_dir = local_tokenizer_dir(cfg)
+    tokenizer = load_tokenizer(tok_dir, cfg.model.special_tokens)
+    common = dict(
+        append_eos=cfg.data.append_eos,
+        on_bad_line=cfg.data.on_bad_line,
+        cache_root=cfg.data.cache_dir,
+        progress=progress,
+    )
+    train_cache = prepare(cfg.data.train_file, tokenizer, **common)
+    eval_cache = prepare(cfg.data.eval_file, tokenizer, **common) if cfg.data.eval_file else None
+    blocks = train_cache.meta["num_tokens"] // cfg.data.block_size
+    if blocks < cfg.global_batch:
+        raise UserError(
+            f"data.train_file: {blocks} blocks of {cfg.data.block_size} tokens are fewer than "
+            f"one global batch ({cfg.global_batch}); add data or lower the batch/block size"
+        )
+    return Prepared(
+        train_cache=str(train_cache.dir),
+        eval_cache=str(eval_cache.dir) if eval_cache else None,
+        model_dir=str(model_dir),
+        tokenizer_dir=str(tok_dir),
+    )
+
+
+def _rank0_selector(cfg: JobConfig) -> list[dict[str, str]] | None:
+    """Per-worker label selectors that put rank 0 on a labelled node, only if the cluster
+    has such a node alive; otherwise no constraint (a local or small cluster still runs)."""
+    want = cfg.scaling.rank0_label
+    if not want:
+        return None
+    import ray
+
+    for node in ray.nodes():
+        labels = node.get("Labels") or {}
+        if node.get("Alive") and all(labels.get(k) == v for k, v in want.items()):
+            log.info("rank 0 → node %s (labels %s)", node.get("NodeManagerAddress"), want)
+            return [dict(want)] + [{} for _ in range(cfg.scaling.num_workers - 1)]
+    log.info("no node labelled %s; rank 0 placed freely", want)
+    return None
+
+
+def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from trainer.loop import ray_worker
+
+    if cfg.backend == "ccl":
+        raise UserError(
+            "scaling.backend ccl runs under torchrun for now (Ray Train initialises the "
+            "process group before the oneCCL bindings can be imported); use gloo on Ray"
+        )
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        if not address:
+            raise UserError(
+                "no Ray cluster: submit with tools/submit.py (which sets RAY_ADDRESS), "
+                "or run under torchrun"
+            )
+        ray.init(address=address, log_to_driver=True)
+    run = run_location(cfg)
+    resources = dict(cfg.scaling.resources_per_worker or {})
+    scaling = ScalingConfig(
+        num_workers=cfg.scaling.num_workers,
+        use_gpu=cfg.scaling.use_gpu,
+        resources_per_worker=resources or None,
+        label_selector=_rank0_selector(cfg),
+    )
+    storage_root = run.path.rsplit("/", 1)[0]
+    run_config = RunConfig(
+        name=cfg.run.name,
+        storage_path=storage_root,
+        storage_filesystem=run.fs,
+        failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+        checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
+        worker_runtime_env={"env_vars": _worker_env()},
+    )
+    trainer = TorchTrainer(
+        ray_worker,
+        train_loop_config={"job": cfg.model_dump(mode="json"), "prepared": asdict(prep)},
+        scaling_config=scaling,
+        run_config=run_config,
+        torch_config=TorchConfig(backend=cfg.backend),
+    )
+    result = trainer.fit()
+    summary = {
+        "run": cfg.run.name,
+        "storage": run.uri,
+        "metrics": dict(result.metrics or {}),
+        "checkpoint": _uri(run, result.checkpoint.path) if result.checkpoint else None,
+        "metrics_file": run.join("metrics.jsonl").uri,
+    }
+    _write_summary(run, summary)
+    return summary
+
+
+def _uri(run: Any, path: str) -> str:
+    return "s3://" + path if run.is_s3 else path
+
+
+def _worker_env() -> dict[str, str]:
+    keep = (
+        "RAYLIFT_DEBUG",
+        "RAYLIFT_MODEL_CACHE",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_REGION",
+        "AWS_DEFAULT_REGION",
+        "AWS_EC2_METADATA_DISABLED",
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "DS_ACCELERATOR",
+    )
+    return {k: os.environ[k] for k in keep if k in os.environ}
+
+
+def launch_torchrun(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
+    from trainer.checkpoint import find_latest
+    from trainer.loop import torchrun_worker
+
+    last = torchrun_worker(cfg, prep)
+    run = run_location(cfg)
+    latest = find_latest(run)
+    summary = {
+        "run": cfg.run.name,
+        "storage": run.uri,
+        "metrics": last,
+        "checkpoint": latest.uri if latest else None,
+        "metrics_file": run.join("metrics.jsonl").uri,
+    }
+    if int(os.environ.get("RANK", 0)) == 0:
+        _write_summary(run, summary)
+    return summary
+
+
+def _write_summary(run: Any, summary: dict[str, Any]) -> None:
+    loc = run.join("summary.json")
+    run.fs.create_dir(run.path, recursive=True)
+    with loc.fs.open_output_stream(loc.path) as f:
+        f.write(json.dumps(summary, indent=2, default=str).encode())
+
+
+def run_job(cfg: JobConfig) -> dict[str, Any]:
+    from trainer.runtime import is_torchrun_env
+
+    torchrun = is_torchrun_env()
+    rank = int(os.environ.get("RANK", 0)) if torchrun else 0
+    report = preflight.run_all(cfg, strict=True)
+    for note in report.notes:
+        log.info("preflight: %s", note)
+    if torchrun and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        # One process tokenizes; the others wait for its cache instead of racing it.
+        prep = _prepare_rank0_first(cfg, rank)
+        return launch_torchrun(cfg, prep)
+    prep = prepare_inputs(cfg)
+    return launch_torchrun(cfg, prep) if torchrun else launch_ray(cfg, prep)
+
+
+def _prepare_rank0_first(cfg: JobConfig, rank: int) -> Prepared:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if cfg.backend == "ccl":
+            try:
+                import oneccl_bindings_for_pytorch  # noqa: F401
+            except ImportError:
+                raise UserError(
+                    "scaling.backend ccl: oneccl_bindings_for_pytorch is not "
+                    "installed (use the ccl image)"
+                ) from None
+        dist.init_process_group(backend=cfg.backend, timeout=timedelta(minutes=60))
+    if rank == 0:
+        prep = prepare_inputs(cfg)
+    dist.barrier()
+    if rank != 0:
+        prep = prepare_inputs(cfg, progress=False)
+    return prep

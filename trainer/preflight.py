@@ -1,0 +1,115 @@
+"""Checks that need more than the config itself: the model's config.json, the data and
+special-tokens files, and the storage location. They run on the client before submitting
+and on the cluster before any worker starts, so a bad input never costs GPU time.
+
+Pure of torch and Ray: only the standard library, PyYAML/pydantic via the config, and
+pyarrow for S3.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer.config import JobConfig
+from trainer.errors import ConfigError, DataError, UserError
+
+SAMPLE_LINES = 1000
+
+
+@dataclass
+class Report:
+    notes: list[str] = field(default_factory=list)
+    max_positions: int | None = None
+
+
+def _local_or_note(path: str, what: str, strict: bool, report: Report) -> Path | None:
+    p = Path(path).expanduser()
+    if p.exists():
+        return p
+    if strict:
+        raise UserError(f"{what} {path}: not found")
+    report.notes.append(f"{what} {path}: not on this machine; checked on the cluster")
+    return None
+
+
+def check_model(cfg: JobConfig, strict: bool, report: Report) -> None:
+    src = cfg.model.path.rstrip("/") + "/config.json"
+    if cfg.model.path.startswith("s3://"):
+        from trainer.storage import read_text
+
+        text = read_text(src, cfg.storage.endpoint_override, cfg.storage.region)
+    else:
+        d = _local_or_note(cfg.model.path, "model.path", strict, report)
+        if d is None:
+            return
+        if not (d / "config.json").is_file():
+            raise UserError(
+                f"model.path {d}: no config.json (expected a Hugging Face model folder)"
+            )
+        text = (d / "config.json").read_text()
+    try:
+        mcfg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{src}:{exc.lineno}: not valid JSON") from None
+    limit = mcfg.get("max_position_embeddings")
+    report.max_positions = limit
+    if isinstance(limit, int) and cfg.data.block_size > limit:
+        raise ConfigError(
+            f"data.block_size: {cfg.data.block_size} exceeds the model's "
+            f"max_position_embeddings {limit} ({src})"
+        )
+    if cfg.model.tokenizer is None and not cfg.model.path.startswith("s3://"):
+        d = Path(cfg.model.path)
+        if d.exists() and not (d / "tokenizer.json").exists():
+            raise UserError(
+                f"model.path {d}: no tokenizer.json; set model.tokenizer to a folder with one"
+            )
+
+
+def check_data_file(path: str, what: str, strict: bool, on_bad_line: str, report: Report) -> None:
+    """Existence, and the first lines' shape, so a wrong file fails in a second. The whole
+    file is checked line by line when it is tokenized, still before workers start."""
+    from trainer.data import ScanReport, iter_documents
+
+    if path.startswith("s3://"):
+        raise UserError(f"{what} {path}: data is read from a local or shared-FS path (e.g. EFS)")
+    p = _local_or_note(path, what, strict, report)
+    if p is None:
+        return
+    if not p.is_file():
+        raise UserError(f"{what} {path}: not a file")
+    scan = ScanReport()
+    seen = 0
+    for _ in iter_documents(p, on_bad_line, scan):
+        seen += 1
+        if seen >= SAMPLE_LINES:
+            break
+    if seen == 0 and scan.skipped == 0:
+        raise DataError(f"{what} {path}: the file has no documents")
+
+
+def check_storage(cfg: JobConfig, report: Report) -> None:
+    from trainer.storage import check_writable, resolve
+
+    loc = resolve(cfg.storage.path, cfg.storage.endpoint_override, cfg.storage.region)
+    check_writable(loc)
+
+
+def run_all(cfg: JobConfig, strict: bool = True) -> Report:
+    """Every check; `strict=False` on a client that may not see the cluster's shared FS."""
+    report = Report()
+    check_model(cfg, strict, report)
+    if cfg.model.tokenizer and not cfg.model.tokenizer.startswith("s3://"):
+        _local_or_note(cfg.model.tokenizer, "model.tokenizer", strict, report)
+    if cfg.model.special_tokens:
+        from trainer.data import load_special_tokens
+
+        if _local_or_note(cfg.model.special_tokens, "model.special_tokens", strict, report):
+            load_special_tokens(cfg.model.special_tokens)
+    check_data_file(cfg.data.train_file, "data.train_file", strict, cfg.data.on_bad_line, report)
+    if cfg.data.eval_file:
+        check_data_file(cfg.data.eval_file, "data.eval_file", strict, cfg.data.on_bad_line, report)
+    check_storage(cfg, report)
+    return report

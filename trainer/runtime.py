@@ -1,0 +1,166 @@
+"""Where the loop runs: under Ray Train or under torchrun. The loop sees only `Runtime`.
+
+Ray Train owns process-group setup, checkpoint upload/registration and pruning
+(CheckpointConfig.num_to_keep). Under torchrun the trainer does those itself with the same
+folder layout, so a run can move between the two and resume either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from trainer import checkpoint as ckpt_mod
+from trainer.config import JobConfig
+from trainer.storage import Location, download_dir, resolve
+
+log = logging.getLogger(__name__)
+
+
+def run_location(cfg: JobConfig) -> Location:
+    return resolve(cfg.storage.path, cfg.storage.endpoint_override, cfg.storage.region).join(
+        cfg.run.name
+    )
+
+
+def is_torchrun_env() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
+
+
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    run: Location
+    node_labels: dict[str, str] = {}  # noqa: RUF012 - replaced per instance
+
+    def latest_checkpoint(self) -> Path | None:
+        raise NotImplementedError
+
+    def report(self, metrics: dict[str, Any], step: int, ckpt_dir: Path | None) -> None:
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+
+    def _fetch(self, loc: Location) -> Path:
+        if not loc.is_s3:
+            return Path(loc.path)
+        dest = Path(tempfile.mkdtemp(prefix="raylift-resume-"))
+        return download_dir(loc, dest)
+
+    def _from_storage(self) -> Path | None:
+        loc = ckpt_mod.find_latest(self.run)
+        return self._fetch(loc) if loc is not None else None
+
+
+class RayRuntime(Runtime):
+    def __init__(self, cfg: JobConfig):
+        import ray
+        import ray.train
+
+        ctx = ray.train.get_context()
+        self.rank = ctx.get_world_rank()
+        self.world_size = ctx.get_world_size()
+        self.local_rank = ctx.get_local_rank()
+        self.run = run_location(cfg)
+        self.node_labels = dict(ray.get_runtime_context().get_node_labels())
+
+    def latest_checkpoint(self) -> Path | None:
+        import ray.train
+
+        reported = ray.train.get_checkpoint()
+        if reported is None:
+            # A fresh submission of an existing run: Ray restores its own checkpoint index
+            # from storage, and when that is absent we still find the newest complete one.
+            return self._from_storage()
+        loc = Location(
+            reported.filesystem,
+            reported.path,
+            ("s3://" + reported.path) if self.run.is_s3 else reported.path,
+        )
+        state, why = ckpt_mod.completeness(loc)
+        if state is None:
+            raise ckpt_mod.CheckpointError(
+                f"{loc.uri}: Ray's latest checkpoint is incomplete ({why}); refusing to "
+                "train from scratch over it"
+            )
+        return self._fetch(loc)
+
+    def report(self, metrics: dict[str, Any], step: int, ckpt_dir: Path | None) -> None:
+        import ray.train
+
+        clean = {k: v for k, v in metrics.items() if v is not None}
+        if ckpt_dir is None:
+            ray.train.report(clean)
+            return
+        ray.train.report(
+            clean,
+            checkpoint=ray.train.Checkpoint.from_directory(str(ckpt_dir)),
+            checkpoint_dir_name=ckpt_mod.dir_name(step),
+        )
+
+
+class TorchrunRuntime(Runtime):
+    """torchrun / Slurm / Kubernetes: env:// rendezvous, the trainer persists checkpoints."""
+
+    def __init__(self, cfg: JobConfig, backend: str):
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.keep_last = cfg.checkpoint.keep_last
+        self.run = run_location(cfg)
+        if self.world_size > 1 and not dist.is_initialized():
+            if backend == "ccl":
+                try:
+                    import oneccl_bindings_for_pytorch  # noqa: F401
+                except ImportError:
+                    raise RuntimeError(
+                        "scaling.backend ccl: oneccl_bindings_for_pytorch is not installed "
+                        "(use the ccl image)"
+                    ) from None
+            dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
+
+    def latest_checkpoint(self) -> Path | None:
+        return self._from_storage()
+
+    def report(self, metrics: dict[str, Any], step: int, ckpt_dir: Path | None) -> None:
+        if ckpt_dir is None:
+            return
+        target = self.run.join(ckpt_mod.dir_name(step))
+        if self.rank == 0 and target.fs.get_file_info(target.path).type.name == "Directory":
+            # Only a torn leftover can be here: a complete one at this step would have been
+            # resumed from. Clear it so old files cannot pass for new ones.
+            target.fs.delete_dir(target.path)
+        self.barrier()
+        target.fs.create_dir(target.path, recursive=True)
+        from pyarrow import fs as pafs
+
+        pafs.copy_files(
+            str(ckpt_dir),
+            target.path,
+            source_filesystem=pafs.LocalFileSystem(),
+            destination_filesystem=target.fs,
+        )
+        self.barrier()
+        if self.rank == 0:
+            state, why = ckpt_mod.completeness(target)
+            if state is None:
+                raise ckpt_mod.CheckpointError(f"{target.uri}: upload incomplete ({why})")
+            ckpt_mod.prune(self.run, self.keep_last)
+        self.barrier()
+
+
+def cleanup_local(path: Path | None) -> None:
+    if path is not None and path.exists():
+        shutil.rmtree(path, ignore_errors=True)
