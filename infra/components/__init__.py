@@ -1,0 +1,1 @@
+"""Small ComponentResources, one concern each, composed by infra/program.py."""

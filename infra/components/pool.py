@@ -1,0 +1,146 @@
+"""A Ray node pool: one launch template + one Auto Scaling group.
+
+ASGs (not Ray's autoscaler) hold each pool at its configured size: AWS replaces a dead or
+reclaimed node, and the node's systemd unit rejoins the cluster on its own. Launch templates
+require IMDSv2 (SSRF in a training script can't steal the role's credentials with a plain GET)
+with hop limit 2 so the container, one network hop further, can still fetch credentials, and
+encrypt the root volume that holds images and local checkpoint staging.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pulumi
+import pulumi_aws as aws
+
+from infra.settings import Market
+
+
+@dataclass(frozen=True)
+class PoolArgs:
+    cluster_name: str
+    pool: str
+    role: Literal["head", "worker"]
+    market: Market
+    instance_types: Sequence[str]
+    size: int
+    root_volume_gib: int
+    root_device_name: str
+    ami: str
+    subnet_ids: Sequence[pulumi.Input[str]]
+    security_group_id: pulumi.Input[str]
+    instance_profile_arn: pulumi.Input[str]
+    user_data: pulumi.Input[str]
+    tags: Mapping[str, str] = field(default_factory=dict)
+
+
+def spot_instances_distribution() -> dict:
+    """All-spot, price-capacity-optimized: AWS picks the deepest, cheapest pools across the
+    listed types and AZs, which is what keeps reclaim rates low for multi-hour runs."""
+    return {
+        "on_demand_base_capacity": 0,
+        "on_demand_percentage_above_base_capacity": 0,
+        "spot_allocation_strategy": "price-capacity-optimized",
+    }
+
+
+class RayPool(pulumi.ComponentResource):
+    """Launch template + ASG for one pool; spot pools use a mixed-instances policy."""
+
+    asg_name: pulumi.Output[str]
+    launch_template_id: pulumi.Output[str]
+
+    def __init__(
+        self, name: str, args: PoolArgs, opts: pulumi.ResourceOptions | None = None
+    ) -> None:
+        super().__init__("raylift:infra:RayPool", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        node_tags = {
+            **args.tags,
+            "Name": f"{args.cluster_name}-{args.pool}",
+            "raylift:pool": args.pool,
+            "raylift:market": args.market,
+            "raylift:role": args.role,
+        }
+        spot = args.market == "spot"
+
+        lt = aws.ec2.LaunchTemplate(
+            f"{name}-lt",
+            name_prefix=f"{args.cluster_name}-{args.pool}-",
+            description=f"Raylift {args.cluster_name} {args.pool} ({args.role}, {args.market})",
+            image_id=args.ami,
+            # Spot pools pick the type in the ASG overrides; the first type is the fallback.
+            instance_type=args.instance_types[0],
+            iam_instance_profile={"arn": args.instance_profile_arn},
+            vpc_security_group_ids=[args.security_group_id],
+            metadata_options={
+                "http_endpoint": "enabled",
+                "http_tokens": "required",
+                "http_put_response_hop_limit": 2,
+                "instance_metadata_tags": "enabled",
+            },
+            block_device_mappings=[
+                {
+                    "device_name": args.root_device_name,
+                    "ebs": {
+                        "volume_size": args.root_volume_gib,
+                        "volume_type": "gp3",
+                        "encrypted": "true",
+                        "delete_on_termination": "true",
+                    },
+                }
+            ],
+            user_data=pulumi.Output.from_input(args.user_data).apply(
+                lambda text: base64.b64encode(text.encode()).decode()
+            ),
+            tag_specifications=[{"resource_type": "volume", "tags": node_tags}],
+            update_default_version=True,
+            tags=args.tags,
+            opts=child,
+        )
+        lt_spec = {"id": lt.id, "version": lt.latest_version.apply(str)}
+
+        group_args: dict = {}
+        if spot:
+            group_args["mixed_instances_policy"] = {
+                "instances_distribution": spot_instances_distribution(),
+                "launch_template": {
+                    "launch_template_specification": {
+                        "launch_template_id": lt.id,
+                        "version": lt.latest_version.apply(str),
+                    },
+                    "overrides": [{"instance_type": t} for t in args.instance_types],
+                },
+            }
+            # Start a replacement as soon as AWS signals elevated reclaim risk, before the
+            # two-minute notice, so the pool's GPU count dips for less time.
+            group_args["capacity_rebalance"] = True
+        else:
+            group_args["launch_template"] = lt_spec
+            group_args["capacity_rebalance"] = False
+
+        asg = aws.autoscaling.Group(
+            f"{name}-asg",
+            name_prefix=f"{args.cluster_name}-{args.pool}-",
+            min_size=args.size,
+            max_size=args.size,
+            desired_capacity=args.size,
+            vpc_zone_identifiers=list(args.subnet_ids),
+            health_check_type="EC2",
+            health_check_grace_period=600,
+            # Don't make `pulumi up` wait for (possibly scarce) GPU capacity; the ASG keeps trying.
+            wait_for_capacity_timeout="0",
+            tags=[
+                {"key": k, "value": v, "propagate_at_launch": True}
+                for k, v in sorted(node_tags.items())
+            ],
+            opts=child,
+            **group_args,
+        )
+        self.asg_name = asg.name
+        self.launch_template_id = lt.id
+        self.register_outputs({"asgName": asg.name, "launchTemplateId": lt.id})

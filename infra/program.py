@@ -1,0 +1,210 @@
+"""The Pulumi program: read the stack config, compose the components, export the outputs.
+
+Kept out of `__main__.py` so tests can run it under `pulumi.runtime.set_mocks` as a function.
+Nothing here makes resources directly; each concern lives in one component under components/.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pulumi
+import pulumi_aws as aws
+
+from infra.components.iam import NodeIam, NodeIamArgs
+from infra.components.network import EndpointsArgs, InterfaceEndpoints, Network, NetworkArgs
+from infra.components.pool import PoolArgs, RayPool
+from infra.components.registry import Registry, RegistryArgs
+from infra.components.secrets import RayToken, RayTokenArgs
+from infra.components.security import ClusterSecurity, SecurityArgs
+from infra.components.storage import Storage, StorageArgs
+from infra.components.userdata import NodeBootstrap, render_user_data
+from infra.settings import POOL_MARKETS, StackSettings, parse_settings
+from infra.summary import pool_summary
+from trainer.catalog import get_instance
+
+# Top-level `raylift:` keys a stack file may set (see Pulumi.example.yaml).
+_OBJECT_KEYS = ("network", "storage", "registry", "image", "ray", "pools")
+
+
+def read_settings() -> StackSettings:
+    """Collect the `raylift:*` stack config into one validated settings object."""
+    cfg = pulumi.Config("raylift")
+    raw: dict[str, Any] = {}
+    cluster_name = cfg.get("clusterName")
+    if cluster_name is not None:
+        raw["clusterName"] = cluster_name
+    for key in _OBJECT_KEYS:
+        value = cfg.get_object(key)
+        if value is not None:
+            raw[key] = value
+    return parse_settings(raw)
+
+
+def pool_labels(pool: str, extra: dict[str, str]) -> dict[str, str]:
+    """Ray node labels every pool carries, so jobs can select by pool and market."""
+    labels = {"pool": pool, "market": POOL_MARKETS[pool]}
+    if pool == "large-cpu-mem":
+        labels["large_cpu_mem"] = "true"
+    return {**labels, **extra}
+
+
+def pool_resources(pool: str, extra: dict[str, float]) -> dict[str, float]:
+    """Custom resources; `large_cpu_mem` matches Ray's Llama-2 template's rank-0 placement."""
+    resources: dict[str, float] = {"large_cpu_mem": 1} if pool == "large-cpu-mem" else {}
+    return {**resources, **extra}
+
+
+def main() -> dict[str, Any]:
+    """Build the stack. Returns the exported outputs (tests read them under mocks)."""
+    settings = read_settings()
+    region = pulumi.Config("aws").require("region")
+    name = settings.cluster_name
+    tags = {"raylift:cluster": name, "managed-by": "pulumi"}
+
+    net_settings = settings.network
+    if net_settings.existing_vpc_id is not None:
+        azs: list[str] = []
+    elif net_settings.availability_zones:
+        azs = list(net_settings.availability_zones)
+    else:
+        azs = aws.get_availability_zones(state="available").names[: net_settings.az_count]
+
+    network = Network(
+        name,
+        NetworkArgs(
+            cluster_name=name,
+            region=region,
+            settings=net_settings,
+            availability_zones=azs,
+            tags=tags,
+        ),
+    )
+    security = ClusterSecurity(
+        name, SecurityArgs(cluster_name=name, vpc_id=network.vpc_id, ray=settings.ray, tags=tags)
+    )
+    if net_settings.interface_endpoints:
+        InterfaceEndpoints(
+            f"{name}-endpoints",
+            EndpointsArgs(
+                region=region,
+                vpc_id=network.vpc_id,
+                subnet_ids=network.private_subnet_ids,
+                security_group_id=security.endpoint_sg_id,
+                tags=tags,
+            ),
+        )
+    storage = Storage(
+        name,
+        StorageArgs(
+            cluster_name=name,
+            settings=settings.storage,
+            subnet_ids=network.private_subnet_ids,
+            efs_security_group_id=security.efs_sg_id,
+            tags=tags,
+        ),
+    )
+    registry = Registry(name, RegistryArgs(settings=settings.registry, tags=tags))
+    token = (
+        RayToken(name, RayTokenArgs(cluster_name=name, tags=tags))
+        if settings.ray.token_auth
+        else None
+    )
+    iam = NodeIam(
+        name,
+        NodeIamArgs(
+            cluster_name=name,
+            bucket_arn=storage.bucket_arn,
+            repository_arns=registry.repository_arns,
+            token_secret_arn=token.secret_arn if token else None,
+            zone_id=network.zone_id,
+            tags=tags,
+        ),
+    )
+
+    head_fqdn = f"head.{network.zone_name}"
+    repo_url = registry.repository_urls[settings.image.repository]
+    cpu_tag = settings.image.cpu_tag or f"{settings.image.tag}-cpu"
+    pools: dict[str, RayPool] = {}
+    for pool, spec in settings.pools.by_name().items():
+        if spec.size == 0:
+            continue
+        role = "head" if pool == "head" else "worker"
+        instance = get_instance(spec.instance_types[0])
+        use_gpus = instance.gpu_count > 0
+        # The CPU pool runs the oneCCL build of the trainer image; everything else the GPU one.
+        tag = cpu_tag if pool == "cpu" else settings.image.tag
+        user_data = pulumi.Output.all(
+            efs_id=storage.efs_id,
+            repo_url=repo_url,
+            secret_arn=token.secret_arn if token else None,
+            zone_id=network.zone_id,
+        ).apply(
+            lambda v, pool=pool, spec=spec, role=role, use_gpus=use_gpus, tag=tag: render_user_data(
+                NodeBootstrap(
+                    role=role,
+                    pool=pool,
+                    cluster_name=name,
+                    region=region,
+                    efs_id=v["efs_id"],
+                    mount_path=settings.storage.mount_path,
+                    image=f"{v['repo_url']}:{tag}",
+                    head_fqdn=head_fqdn,
+                    ray=settings.ray,
+                    use_gpus=use_gpus,
+                    labels=pool_labels(pool, spec.labels),
+                    resources=pool_resources(pool, spec.resources),
+                    num_cpus=spec.num_cpus,
+                    token_secret_arn=v["secret_arn"],
+                    hosted_zone_id=v["zone_id"] if role == "head" else None,
+                )
+            )
+        )
+        pools[pool] = RayPool(
+            f"{name}-{pool}",
+            PoolArgs(
+                cluster_name=name,
+                pool=pool,
+                role=role,
+                market=POOL_MARKETS[pool],
+                instance_types=spec.instance_types,
+                size=spec.size,
+                root_volume_gib=spec.root_volume_gib,
+                root_device_name=spec.root_device_name,
+                ami=spec.ami,
+                subnet_ids=network.private_subnet_ids,
+                security_group_id=security.cluster_sg_id,
+                instance_profile_arn=(
+                    iam.head_profile_arn if role == "head" else iam.worker_profile_arn
+                ),
+                user_data=user_data,
+                tags=tags,
+            ),
+        )
+
+    dashboard = settings.ray.dashboard_port
+    port_forward = pools["head"].asg_name.apply(
+        lambda asg: (
+            f'aws ssm start-session --region {region} --target "$(aws ec2 describe-instances '
+            f"--region {region} --filters Name=tag:aws:autoscaling:groupName,Values={asg} "
+            "Name=instance-state-name,Values=running "
+            "--query 'Reservations[0].Instances[0].InstanceId' --output text)\" "
+            "--document-name AWS-StartPortForwardingSession "
+            f'--parameters \'{{"portNumber":["{dashboard}"],"localPortNumber":["{dashboard}"]}}\''
+        )
+    )
+    outputs: dict[str, Any] = {
+        "headAddress": f"{head_fqdn}:{settings.ray.gcs_port}",
+        "jobsApiPortForward": port_forward,
+        "jobsApiLocalAddress": f"http://127.0.0.1:{dashboard}",
+        "bucket": storage.bucket_name,
+        "efsId": storage.efs_id,
+        "sharedMountPath": settings.storage.mount_path,
+        "repositories": registry.repository_urls,
+        "image": repo_url.apply(lambda u: f"{u}:{settings.image.tag}"),
+        "rayAuthTokenSecretArn": token.secret_arn if token else None,
+        "summary": pool_summary(settings),
+    }
+    for key, value in outputs.items():
+        pulumi.export(key, value)
+    return outputs

@@ -1,0 +1,300 @@
+"""Typed stack settings: everything `Pulumi.<stack>.yaml` may say, validated before any resource.
+
+Why a model instead of scattered ``config.get`` calls: a typo in a stack file (``gpuSpto``) or a
+pool that names an instance type the catalog doesn't know must fail at ``pulumi preview`` with one
+line that names the key, not an hour later as a node that never joins the cluster. Keys in the
+stack file are camelCase (Pulumi's convention); the Python side uses snake_case.
+
+This module imports no Pulumi, so it is unit-testable and reusable by tools that read stack files.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from trainer.catalog import load_instances
+
+Market = Literal["on-demand", "spot"]
+
+# Canonical pool names; they are also the `pool=` Ray label and the ASG/launch-template names.
+POOL_KEYS: dict[str, str] = {
+    "head": "head",
+    "gpu_on_demand": "gpu-ondemand",
+    "gpu_spot": "gpu-spot",
+    "large_cpu_mem": "large-cpu-mem",
+    "cpu": "cpu",
+}
+# Each pool's market is a property of the pool, not a knob: rank 0 and the head on spot would
+# turn every reclaim into a lost run, and the point of gpu-spot is that it *is* spot.
+POOL_MARKETS: dict[str, Market] = {
+    "head": "on-demand",
+    "gpu-ondemand": "on-demand",
+    "gpu-spot": "spot",
+    "large-cpu-mem": "on-demand",
+    "cpu": "on-demand",
+}
+
+# Ubuntu 22.04 Deep Learning Base AMI: NVIDIA driver, Docker, the NVIDIA container toolkit,
+# the AWS CLI and nfs-common preinstalled. EC2 resolves `resolve:ssm:` at launch, so a new
+# instance always gets the current patched image without a Pulumi lookup call.
+DEFAULT_AMI = (
+    "resolve:ssm:/aws/service/deeplearning/ami/x86_64/"
+    "base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+)
+
+
+class _Model(BaseModel):
+    """camelCase in YAML, snake_case in Python, and unknown keys are errors (typos fail loudly)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class NetworkSettings(_Model):
+    vpc_cidr: str = "10.42.0.0/16"
+    # Spot capacity is per AZ: more AZs = more spot pools for the price-capacity-optimized pick.
+    availability_zones: list[str] | None = Field(default=None, min_length=1, max_length=6)
+    az_count: int = Field(default=3, ge=1, le=6)
+    # "single" keeps cost at one NAT; "per-az" survives an AZ outage. There is no "none": the
+    # head registers its DNS name through the Route53 API, which has no VPC endpoint, and
+    # training pulls models/packages from the internet anyway.
+    nat_gateway: Literal["single", "per-az"] = "single"
+    # ECR/SSM/Secrets Manager/STS interface endpoints (~$7/month per endpoint per AZ): image
+    # pulls (tens of GB per node) then skip the NAT's per-GB charge. The S3 gateway endpoint is
+    # always created (it is free and keeps checkpoint traffic off the NAT).
+    interface_endpoints: bool = False
+    existing_vpc_id: str | None = None
+    existing_private_subnet_ids: list[str] | None = None
+
+    @field_validator("vpc_cidr")
+    @classmethod
+    def _cidr_fits_subnets(cls, value: str) -> str:
+        net = ipaddress.ip_network(value)
+        if net.prefixlen > 16:
+            raise ValueError("vpcCidr must be a /16 or larger (private subnets are /19 each)")
+        return value
+
+    @model_validator(mode="after")
+    def _existing_network_is_whole(self) -> NetworkSettings:
+        if (self.existing_vpc_id is None) != (self.existing_private_subnet_ids is None):
+            raise ValueError("set both existingVpcId and existingPrivateSubnetIds, or neither")
+        if self.existing_private_subnet_ids is not None and not self.existing_private_subnet_ids:
+            raise ValueError("existingPrivateSubnetIds must list at least one subnet")
+        return self
+
+
+class StorageSettings(_Model):
+    bucket_name: str | None = None
+    versioning: bool = True
+    checkpoint_prefix: str = "checkpoints/"
+    # Checkpoints older than this are deleted; 0 keeps them forever.
+    checkpoint_expiration_days: int = Field(default=30, ge=0)
+    noncurrent_version_expiration_days: int = Field(default=7, ge=1)
+    # A customer-managed KMS key ARN for S3 and EFS; unset = AWS-managed keys (SSE-S3 / EFS).
+    kms_key_arn: str | None = None
+    force_destroy: bool = False
+    efs_throughput_mode: Literal["elastic", "bursting"] = "elastic"
+    mount_path: str = "/mnt/shared"
+
+    @field_validator("mount_path")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not value.startswith("/") or value == "/":
+            raise ValueError("mountPath must be an absolute directory other than /")
+        return value.rstrip("/")
+
+
+class RegistrySettings(_Model):
+    prefix: str = "raylift"
+    repositories: list[str] = Field(default_factory=lambda: ["base", "bnb", "ccl", "trainer"])
+    immutable_tags: bool = True
+    force_delete: bool = False
+
+
+class ImageSettings(_Model):
+    """Which image the nodes run. A tag is required: `latest` makes two nodes disagree."""
+
+    repository: str = "trainer"
+    tag: str
+    # The CPU (oneCCL) variant of the trainer image; defaults to "<tag>-cpu".
+    cpu_tag: str | None = None
+
+    @field_validator("tag")
+    @classmethod
+    def _not_latest(cls, value: str) -> str:
+        if value in {"", "latest"}:
+            raise ValueError("image.tag must be an explicit version, not 'latest'")
+        return value
+
+
+class RaySettings(_Model):
+    """Ray ports are pinned so the security group can list them instead of opening ranges."""
+
+    token_auth: bool = True
+    gcs_port: int = 6379
+    dashboard_port: int = 8265
+    client_server_port: int = 10001
+    node_manager_port: int = 6380
+    object_manager_port: int = 6381
+    runtime_env_agent_port: int = 6382
+    dashboard_agent_grpc_port: int = 6383
+    # Ray's default (52365) sits inside the collective range below, so it is moved.
+    dashboard_agent_listen_port: int = 6384
+    metrics_export_port: int = 8090
+    min_worker_port: int = 10002
+    max_worker_port: int = 10999
+    # NCCL/gloo/oneCCL and torch's TCPStore bind ephemeral ports between training workers;
+    # Linux's default ip_local_port_range. Opened only to the cluster's own security group.
+    collective_port_range: tuple[int, int] = (32768, 60999)
+
+    @model_validator(mode="after")
+    def _ports_do_not_collide(self) -> RaySettings:
+        singles = [
+            self.gcs_port,
+            self.dashboard_port,
+            self.client_server_port,
+            self.node_manager_port,
+            self.object_manager_port,
+            self.runtime_env_agent_port,
+            self.dashboard_agent_grpc_port,
+            self.dashboard_agent_listen_port,
+            self.metrics_export_port,
+        ]
+        if len(set(singles)) != len(singles):
+            raise ValueError("ray ports must be distinct")
+        ranges = [(self.min_worker_port, self.max_worker_port), self.collective_port_range]
+        for low, high in ranges:
+            if not 1024 <= low <= high <= 65535:
+                raise ValueError(f"bad port range {low}-{high}")
+            if any(low <= port <= high for port in singles):
+                raise ValueError(f"port range {low}-{high} overlaps a fixed Ray port")
+        (a_low, a_high), (b_low, b_high) = ranges
+        if a_low <= b_high and b_low <= a_high:
+            raise ValueError("worker port range overlaps the collective port range")
+        return self
+
+
+class PoolSettings(_Model):
+    instance_types: list[str] = Field(min_length=1)
+    size: int = Field(default=0, ge=0)
+    root_volume_gib: int = Field(default=200, ge=50)
+    labels: dict[str, str] = Field(default_factory=dict)
+    resources: dict[str, float] = Field(default_factory=dict)
+    num_cpus: int | None = Field(default=None, ge=0)
+    ami: str = DEFAULT_AMI
+    root_device_name: str = "/dev/sda1"
+
+    @field_validator("instance_types")
+    @classmethod
+    def _known_types(cls, value: list[str]) -> list[str]:
+        known = load_instances()
+        unknown = [t for t in value if t not in known]
+        if unknown:
+            raise ValueError(
+                f"unknown instance type(s) {unknown}; add them to trainer/catalog/instances.yaml"
+            )
+        if len(set(value)) != len(value):
+            raise ValueError("instance types must not repeat")
+        gpu_counts = {known[t].gpu_count for t in value}
+        if len(gpu_counts) > 1:
+            # Ray Train gives one GPU per worker; mixing 1- and 8-GPU nodes in one pool makes
+            # the pool's GPU total depend on what spot happened to hand out.
+            raise ValueError(f"instance types in one pool must have the same GPU count: {value}")
+        return value
+
+
+def _default_pools() -> dict[str, Any]:
+    return {
+        "head": {"instanceTypes": ["m5.xlarge"], "size": 1, "rootVolumeGib": 100, "numCpus": 0},
+        "gpuOnDemand": {"instanceTypes": ["g5.4xlarge"], "size": 0},
+        "gpuSpot": {"instanceTypes": ["g5.4xlarge", "g5.8xlarge", "g5.2xlarge"], "size": 0},
+        # Sized for the 70b preset's rank 0: the full model is gathered here at checkpoint time
+        # (~4 B/param = 280 GB for 70B) on top of this node's offloaded optimizer shards; rank 0
+        # is a GPU training worker, so the node needs a GPU as well as the RAM.
+        "largeCpuMem": {"instanceTypes": ["g5.48xlarge"], "size": 1, "rootVolumeGib": 500},
+        "cpu": {"instanceTypes": ["c6i.16xlarge"], "size": 0},
+    }
+
+
+class PoolsSettings(_Model):
+    head: PoolSettings
+    gpu_on_demand: PoolSettings
+    gpu_spot: PoolSettings
+    large_cpu_mem: PoolSettings
+    cpu: PoolSettings
+
+    @model_validator(mode="after")
+    def _shape(self) -> PoolsSettings:
+        if self.head.size != 1:
+            raise ValueError("pools.head.size must be 1 (one Ray head per cluster)")
+        for key in ("head", "gpu_on_demand", "large_cpu_mem", "cpu"):
+            pool: PoolSettings = getattr(self, key)
+            if len(pool.instance_types) != 1:
+                raise ValueError(
+                    f"pools.{to_camel(key)} is on-demand and takes exactly one instance type"
+                )
+        if self.large_cpu_mem.size > 1:
+            raise ValueError("pools.largeCpuMem.size must be 0 or 1 (it hosts rank 0)")
+        return self
+
+    def by_name(self) -> dict[str, PoolSettings]:
+        """Pools keyed by their canonical (label) name, in creation order."""
+        return {POOL_KEYS[key]: getattr(self, key) for key in POOL_KEYS}
+
+
+class StackSettings(_Model):
+    cluster_name: str = Field(default="raylift", pattern=r"^[a-z][a-z0-9-]{1,30}$")
+    network: NetworkSettings = Field(default_factory=NetworkSettings)
+    storage: StorageSettings = Field(default_factory=StorageSettings)
+    registry: RegistrySettings = Field(default_factory=RegistrySettings)
+    image: ImageSettings
+    ray: RaySettings = Field(default_factory=RaySettings)
+    pools: PoolsSettings
+
+    @model_validator(mode="after")
+    def _image_repo_exists(self) -> StackSettings:
+        if self.image.repository not in self.registry.repositories:
+            raise ValueError(
+                f"image.repository {self.image.repository!r} is not one of "
+                f"registry.repositories {self.registry.repositories}"
+            )
+        return self
+
+
+def _merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge a stack's pool overrides onto the defaults, so a stack states only changes."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+class SettingsError(ValueError):
+    """A stack setting is wrong; the message is one line naming the key."""
+
+
+def parse_settings(raw: Mapping[str, Any]) -> StackSettings:
+    """Validate the `raylift:*` stack config (already decoded from YAML/JSON).
+
+    Raises SettingsError with one line per problem, each prefixed with the `raylift:` key path,
+    so `pulumi preview` tells the user exactly which line of their stack file to fix.
+    """
+    data = dict(raw)
+    data["pools"] = _merge(_default_pools(), data.get("pools") or {})
+    try:
+        return StackSettings.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            where = ".".join(str(part) for part in err["loc"]) or "(root)"
+            lines.append(f"raylift:{where}: {err['msg']}")
+        raise SettingsError("; ".join(lines)) from None
