@@ -73,6 +73,9 @@ class LocalCluster:
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN_PATH": str(self.token_path),
             "RAY_USAGE_STATS_ENABLED": "0",
+            # gloo picks its interface from the hostname, which resolves to the outward
+            # address; pin its sockets to loopback like everything else here.
+            "GLOO_SOCKET_IFNAME": "lo",
             # Jobs run `python -m trainer`: make that this interpreter.
             "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
         }

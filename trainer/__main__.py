@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from trainer.config import load_config
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.launch import run_job
 
         summary = run_job(cfg)
-        print("RAYLIFT_SUMMARY " + json.dumps(summary, default=str), flush=True)
+        if os.environ.get("RANK", "0") == "0":
+            print("RAYLIFT_SUMMARY " + json.dumps(summary, default=str), flush=True)
         return 0
     except UserError as exc:
         if args.debug:

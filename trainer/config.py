@@ -39,13 +39,17 @@ class ModelSection(_Section):
         default=None,
         description='JSON file {"tokens": [...]} added to the tokenizer; embeddings resized.',
     )
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    gradient_checkpointing: bool = False
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        default="sdpa", description="flash_attention_2 needs GPUs and the flash-attn package."
+    )
+    gradient_checkpointing: bool = Field(
+        default=False, description="Recompute activations in backward: less memory, ~30% slower."
+    )
 
 
 class DataSection(_Section):
     train_file: str = Field(description='JSONL with {"input": ...} or {"text": ...} rows.')
-    eval_file: str | None = None
+    eval_file: str | None = Field(default=None, description="JSONL for eval loss/perplexity.")
     block_size: int = Field(default=1024, gt=1, description="Tokens per packed sequence.")
     on_bad_line: Literal["error", "skip"] = Field(
         default="error",
@@ -62,13 +66,17 @@ class DataSection(_Section):
 
 
 class OptimSection(_Section):
-    lr: float = Field(default=3e-4, gt=0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(default=0, ge=0)
+    lr: float = Field(default=3e-4, gt=0, description="Peak learning rate (AdamW).")
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        default="cosine", description="After warmup: cosine to min_lr_ratio, linear to 0, or flat."
+    )
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warmup from 0.")
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1, description="Floor of cosine/linear.")
-    weight_decay: float = Field(default=0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(
+        default=0.0, ge=0, description="On matrices only; not on biases and norms."
+    )
+    betas: tuple[float, float] = Field(default=(0.9, 0.95), description="AdamW betas.")
+    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float | None = Field(default=1.0, gt=0, description="Max grad norm; null = off.")
 
 
@@ -77,14 +85,16 @@ class TrainSection(_Section):
     micro_batch_size: int = Field(
         default=1, ge=1, description="Sequences per worker per micro step."
     )
-    grad_accum: int = Field(default=1, ge=1)
+    grad_accum: int = Field(default=1, ge=1, description="Micro steps per optimizer step.")
     global_batch_size: int | None = Field(
         default=None,
         ge=1,
         description="Sequences per optimizer step over all workers. If set, grad_accum is "
         "derived from it and must divide evenly.",
     )
-    epochs: float | None = Field(default=1, gt=0)
+    epochs: float | None = Field(
+        default=1, gt=0, description="Passes over the data (fractions ok)."
+    )
     max_steps: int | None = Field(default=None, ge=1, description="Overrides epochs if set.")
     stop_at_step: int | None = Field(
         default=None,
@@ -92,8 +102,11 @@ class TrainSection(_Section):
         description="End this submission after this step (the schedule still spans the "
         "whole run); resubmit with the same run name to continue.",
     )
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    seed: int = 42
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32",
+        description="Compute dtype; bf16/fp16 autocast over fp32 master weights (GPU).",
+    )
+    seed: int = Field(default=42, description="Seeds init, data order and RNG streams.")
     eval_every: int | None = Field(default=None, ge=1, description="Steps between evals.")
     eval_batches: int | None = Field(
         default=None, ge=1, description="Micro batches per worker per eval; null = whole file."
@@ -105,9 +118,13 @@ class TrainSection(_Section):
 
 
 class ScalingSection(_Section):
-    num_workers: int = Field(default=2, ge=1)
-    use_gpu: bool = False
-    resources_per_worker: dict[str, float] | None = None
+    num_workers: int = Field(default=2, ge=1, description="Ray Train workers (one per GPU).")
+    use_gpu: bool = Field(
+        default=False, description="One GPU per worker unless resources say more."
+    )
+    resources_per_worker: dict[str, float] | None = Field(
+        default=None, description='Ray resources per worker, e.g. {"CPU": 8, "GPU": 1}.'
+    )
     backend: Literal["auto", "gloo", "nccl", "ccl"] = Field(
         default="auto", description="auto: nccl with GPUs, gloo without."
     )
@@ -119,7 +136,7 @@ class ScalingSection(_Section):
 
 class CheckpointSection(_Section):
     every_steps: int | None = Field(default=None, ge=1, description="null = only at the end.")
-    keep_last: int = Field(default=3, ge=1)
+    keep_last: int = Field(default=3, ge=1, description="Complete checkpoints kept; older pruned.")
 
 
 class StorageSection(_Section):
@@ -129,7 +146,7 @@ class StorageSection(_Section):
     endpoint_override: str | None = Field(
         default=None, description="S3-compatible endpoint, e.g. http://127.0.0.1:8333."
     )
-    region: str | None = None
+    region: str | None = Field(default=None, description="S3 region (else AWS_REGION).")
 
     @property
     def is_s3(self) -> bool:

@@ -1,0 +1,61 @@
+"""The same loop without Ray: `python -m trainer run` under torchrun (the Slurm and
+Kubernetes path), with the {"text": ...} data format, stop and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.tiny import write_dataset
+from trainer.metrics import lineage, read_records
+from trainer.storage import resolve
+
+pytestmark = pytest.mark.slow
+
+
+def torchrun(job_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "trainer", "run",
+           str(job_path)]
+    for o in overrides:
+        cmd += ["--set", o]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_torchrun_text_format_stop_and_resume(job, tmp_path):
+    data = write_dataset(tmp_path / "text.jsonl", 1500, seed=3, fmt="text")
+    path = job("tr", data={"train_file": str(data), "eval_file": None})
+    first = torchrun(path, "train.stop_at_step=6")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = torchrun(path)
+    assert second.returncode == 0, second.stderr[-3000:]
+
+    run = resolve(str(tmp_path / "runs")).join("tr")
+    records = read_records(run.join("metrics.jsonl"))
+    steps, wasted = lineage(records)
+    assert [r["step"] for r in steps] == list(range(1, 13)) and wasted == 0
+    assert [r["from_step"] for r in records if r.get("event") == "resume"] == [6]
+    ckpts = sorted(p.name for p in Path(run.path).glob("step_*"))
+    assert ckpts == ["step_00000008", "step_00000012"]  # keep_last=2
+    state = json.loads((Path(run.path) / "step_00000012" / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["tokens_seen"] == 12 * 8 * 32
+    summary = next(line for line in second.stdout.splitlines()
+                   if line.startswith("RAYLIFT_SUMMARY "))
+    assert json.loads(summary.split(" ", 1)[1])["checkpoint"].endswith("step_00000012")
+
+
+def test_torchrun_bad_config_is_one_line(job):
+    res = torchrun(job("bad"), "train.micro_batch_size=zero")
+    assert res.returncode != 0
+    lines = [x for x in res.stderr.splitlines() if x.startswith("error: ")]
+    assert lines and all("train.micro_batch_size" in x for x in lines), res.stderr[-2000:]
