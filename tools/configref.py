@@ -9,10 +9,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pydantic import BaseModel  # noqa: E402
-from pydantic_core import PydanticUndefined  # noqa: E402
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
 
-from trainer.config import JobConfig  # noqa: E402
+from trainer.config import JobConfig
 
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 

@@ -24,9 +24,19 @@ def torchrun(job_path: Path, *overrides: str) -> subprocess.CompletedProcess:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "trainer", "run",
-           str(job_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        "-m",
+        "trainer",
+        "run",
+        str(job_path),
+    ]
     for o in overrides:
         cmd += ["--set", o]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -49,8 +59,9 @@ def test_torchrun_text_format_stop_and_resume(job, tmp_path):
     assert ckpts == ["step_00000008", "step_00000012"]  # keep_last=2
     state = json.loads((Path(run.path) / "step_00000012" / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and state["tokens_seen"] == 12 * 8 * 32
-    summary = next(line for line in second.stdout.splitlines()
-                   if line.startswith("RAYLIFT_SUMMARY "))
+    summary = next(
+        line for line in second.stdout.splitlines() if line.startswith("RAYLIFT_SUMMARY ")
+    )
     assert json.loads(summary.split(" ", 1)[1])["checkpoint"].endswith("step_00000012")
 
 
