@@ -42,7 +42,7 @@ $(VENV)/.raylift-bench: $(STAMP)
 	@touch $@
 
 bench: $(VENV)/.raylift-bench
-	$(BIN)/python -m pytest tests/bench -s -p no:cacheprovider -o testpaths=tests/bench
+	$(BIN)/python -m pytest tests/bench -s -o testpaths=tests/bench
 
 image: $(STAMP)
 	$(BIN)/python tools/image.py build $(IMAGE_ARGS)

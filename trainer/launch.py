@@ -189,20 +189,11 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
 
 
 def _prepare_rank0_first(cfg: JobConfig, rank: int) -> Prepared:
-    from datetime import timedelta
-
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        if cfg.backend == "ccl":
-            try:
-                import oneccl_bindings_for_pytorch  # noqa: F401
-            except ImportError:
-                raise UserError(
-                    "scaling.backend ccl: oneccl_bindings_for_pytorch is not "
-                    "installed (use the ccl image)"
-                ) from None
-        dist.init_process_group(backend=cfg.backend, timeout=timedelta(minutes=60))
+    from trainer.runtime import init_process_group
+
+    init_process_group(cfg.backend, minutes=60)
     if rank == 0:
         prep = prepare_inputs(cfg)
     dist.barrier()

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from trainer import checkpoint as ckpt_mod
 from trainer.config import JobConfig
+from trainer.errors import UserError
 from trainer.storage import Location, download_dir, resolve
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,21 @@ def run_location(cfg: JobConfig) -> Location:
     return resolve(cfg.storage.path, cfg.storage.endpoint_override, cfg.storage.region).join(
         cfg.run.name
     )
+
+
+def init_process_group(backend: str, minutes: int = 30) -> None:
+    """env:// process group for torchrun; oneCCL's bindings must be imported first."""
+    if dist.is_initialized():
+        return
+    if backend == "ccl":
+        try:
+            import oneccl_bindings_for_pytorch  # noqa: F401
+        except ImportError:
+            raise UserError(
+                "scaling.backend ccl: oneccl_bindings_for_pytorch is not installed "
+                "(use the ccl image)"
+            ) from None
+    dist.init_process_group(backend=backend, timeout=timedelta(minutes=minutes))
 
 
 def is_torchrun_env() -> bool:
@@ -120,16 +136,8 @@ class TorchrunRuntime(Runtime):
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.keep_last = cfg.checkpoint.keep_last
         self.run = run_location(cfg)
-        if self.world_size > 1 and not dist.is_initialized():
-            if backend == "ccl":
-                try:
-                    import oneccl_bindings_for_pytorch  # noqa: F401
-                except ImportError:
-                    raise RuntimeError(
-                        "scaling.backend ccl: oneccl_bindings_for_pytorch is not installed "
-                        "(use the ccl image)"
-                    ) from None
-            dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
+        if self.world_size > 1:
+            init_process_group(backend)
 
     def latest_checkpoint(self) -> Path | None:
         return self._from_storage()

@@ -4,14 +4,12 @@ Kubernetes path), with the {"text": ...} data format, stop and resume."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import torchrun as run_torchrun
 from tools.tiny import write_dataset
 from trainer.metrics import lineage, read_records
 from trainer.storage import resolve
@@ -20,26 +18,10 @@ pytestmark = pytest.mark.slow
 
 
 def torchrun(job_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={port}",
-        "-m",
-        "trainer",
-        "run",
-        str(job_path),
-    ]
+    args = ["-m", "trainer", "run", str(job_path)]
     for o in overrides:
-        cmd += ["--set", o]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        args += ["--set", o]
+    return run_torchrun(args, timeout=600)
 
 
 def test_torchrun_text_format_stop_and_resume(job, tmp_path):
@@ -70,3 +52,11 @@ def test_torchrun_bad_config_is_one_line(job):
     assert res.returncode != 0
     lines = [x for x in res.stderr.splitlines() if x.startswith("error: ")]
     assert lines and all("train.micro_batch_size" in x for x in lines), res.stderr[-2000:]
+
+
+def test_as_test_runs_one_step_and_leaves_nothing_behind(job, tmp_path):
+    res = torchrun(job("astest"), "train.as_test=true")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "step 1/1 loss" in res.stderr
+    assert not list((tmp_path / "runs" / "astest").glob("step_*"))
+    assert not (tmp_path / "runs" / "astest" / "metrics.jsonl").exists()

@@ -1,0 +1,68 @@
+"""One data-pipeline run in a fresh process (for a clean peak RSS):
+data_worker.py raylift|hf MODEL CORPUS BLOCK WORKDIR OUT.json"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from itertools import chain
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def raylift(model: str, corpus: str, block: int, workdir: str) -> int:
+    from trainer.data import PackedBlocks, prepare
+    from trainer.model import load_tokenizer
+
+    tok = load_tokenizer(Path(model), None)
+    cache = prepare(corpus, tok, cache_root=f"{workdir}/raylift-cache", progress=False)
+    return len(PackedBlocks(cache, block)) * block
+
+
+def hf(model: str, corpus: str, block: int, workdir: str) -> int:
+    from datasets import load_dataset
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    ds = load_dataset("json", data_files=corpus, split="train", cache_dir=f"{workdir}/hf-cache")
+
+    def tokenize(batch):
+        out = tok(batch["text"])
+        out["input_ids"] = [[*ids, tok.eos_token_id] for ids in out["input_ids"]]
+        return {"input_ids": out["input_ids"]}
+
+    def group_texts(batch):
+        flat = list(chain.from_iterable(batch["input_ids"]))
+        total = (len(flat) // block) * block
+        return {"input_ids": [flat[i : i + block] for i in range(0, total, block)]}
+
+    ds = ds.map(tokenize, batched=True, remove_columns=ds.column_names, num_proc=2)
+    ds = ds.map(group_texts, batched=True, num_proc=2)
+    return len(ds) * block
+
+
+def main() -> None:
+    kind, model, corpus, block, workdir, out = sys.argv[1:7]
+    t0 = time.perf_counter()
+    tokens = (raylift if kind == "raylift" else hf)(model, corpus, int(block), workdir)
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    Path(out).write_text(
+        json.dumps(
+            {
+                "tokens": tokens,
+                "seconds": seconds,
+                "tokens_per_s": tokens / seconds,
+                "peak_rss_mb": max(peak, children),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
