@@ -73,6 +73,11 @@ class LocalCluster:
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN_PATH": str(self.token_path),
             "RAY_USAGE_STATS_ENABLED": "0",
+            # Ray swaps 127.0.0.1 for the machine's outward IP whenever a process connects
+            # (drivers, dashboard agents) unless it is in single-machine mode; keep every
+            # address on loopback. (This mode only blocks `ray start` worker nodes, which
+            # this class does not use.)
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
             # gloo picks its interface from the hostname, which resolves to the outward
             # address; pin its sockets to loopback like everything else here.
             "GLOO_SOCKET_IFNAME": "lo",

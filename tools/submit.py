@@ -122,7 +122,10 @@ async def _follow(client: Any, job_id: str, progress: bool) -> dict[str, Any] | 
                 if line.startswith("RAYLIFT_SUMMARY "):
                     summary = json.loads(line[len("RAYLIFT_SUMMARY ") :])
                     continue
-                bar.console.print(line, markup=False, highlight=False)
+                if progress:
+                    bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
+                else:
+                    print(line, flush=True)
                 m = _STEP.search(line)
                 if m:
                     done, total = int(m.group(1)), int(m.group(2))

@@ -5,21 +5,33 @@ from __future__ import annotations
 import logging
 import os
 
+_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
-def setup_logging(debug: bool = False) -> None:
+
+def setup_logging(debug: bool = False, ray_worker: bool = False) -> None:
+    """Our loggers ("trainer", "raylift") speak at INFO, libraries only at WARNING.
+
+    In a Ray Train worker, Ray already routes the root logger to the console and to the
+    run's log files (and mirrors stderr into it), so our loggers only propagate there: a
+    handler of our own would print every line twice. Elsewhere they get their own
+    timestamped handler and do not propagate.
+    """
     level = logging.DEBUG if debug or os.environ.get("RAYLIFT_DEBUG") else logging.INFO
-    root = logging.getLogger()
-    if not any(getattr(h, "_raylift", False) for h in root.handlers):
+    for name in ("trainer", "raylift"):
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        logger.propagate = ray_worker
+        if ray_worker or any(getattr(h, "_raylift", False) for h in logger.handlers):
+            continue
         handler = logging.StreamHandler()
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
-        )
+        handler.setFormatter(logging.Formatter(_FORMAT, "%H:%M:%S"))
         handler._raylift = True  # type: ignore[attr-defined]
-        root.addHandler(handler)
-    # Our loggers speak at INFO; libraries (Ray Train's per-report chatter) only at WARNING.
-    root.setLevel(logging.DEBUG if level == logging.DEBUG else logging.WARNING)
-    for ours in ("trainer", "raylift"):
-        logging.getLogger(ours).setLevel(level)
+        logger.addHandler(handler)
+    if not ray_worker:
+        root = logging.getLogger()
+        root.setLevel(logging.DEBUG if level == logging.DEBUG else logging.WARNING)
+        if not root.handlers:
+            root.addHandler(logging.StreamHandler())
     try:
         from transformers.utils import logging as hf_logging
 

@@ -421,7 +421,7 @@ def ray_worker(config: dict[str, Any]) -> None:
     """`train_loop_per_worker` for Ray Train's TorchTrainer."""
     from trainer.logs import setup_logging
 
-    setup_logging()
+    setup_logging(ray_worker=True)
     cfg = JobConfig.model_validate(config["job"])
     train(cfg, Prepared(**config["prepared"]), RayRuntime(cfg))
 
