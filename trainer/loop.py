@@ -12,6 +12,7 @@ import logging
 import math
 import random
 import shutil
+import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -27,7 +28,14 @@ from trainer.config import JobConfig
 from trainer.data import BatchPlan, PackedBlocks, StepBatches, TokenCache, eval_indices
 from trainer.errors import UserError
 from trainer.metrics import MetricsFile, mfu, peak_flops, read_records
-from trainer.model import check_device, count_params, load_model, load_tokenizer
+from trainer.model import (
+    check_device,
+    count_params,
+    load_model,
+    load_tokenizer,
+    local_model_dir,
+    local_tokenizer_dir,
+)
 from trainer.runtime import RayRuntime, Runtime, TorchrunRuntime
 from trainer.strategies import get_strategy, param_groups
 
@@ -128,8 +136,16 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         tokenizer = load_tokenizer(resume_dir / "model", None)
         model_src = resume_dir / "model"
     else:
-        tokenizer = load_tokenizer(Path(prep.tokenizer_dir), cfg.model.special_tokens)
-        model_src = Path(prep.model_dir)
+        # The driver's local copies of S3 folders are on its node; fetch them on this one.
+        model_src = (
+            local_model_dir(cfg) if cfg.model.path.startswith("s3://") else Path(prep.model_dir)
+        )
+        tok_dir = (
+            local_tokenizer_dir(cfg)
+            if (cfg.model.tokenizer or cfg.model.path).startswith("s3://")
+            else Path(prep.tokenizer_dir)
+        )
+        tokenizer = load_tokenizer(tok_dir, cfg.model.special_tokens)
 
     model = load_model(model_src, cfg, len(tokenizer))
     n_params = count_params(model)
@@ -141,6 +157,12 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     )
     scaler = torch.amp.GradScaler("cuda") if cfg.train.precision == "fp16" else None
 
+    for cache in (prep.train_cache, prep.eval_cache):
+        if cache and not (Path(cache) / "meta.json").exists():
+            raise UserError(
+                f"tokenized data {cache} is not visible on worker node {socket.gethostname()}: "
+                "put the data on the shared FS (EFS), mounted at the same path on every node"
+            )
     train_blocks = PackedBlocks(TokenCache(Path(prep.train_cache)), cfg.data.block_size)
     plan = BatchPlan(
         len(train_blocks),

@@ -36,6 +36,10 @@ def init_process_group(backend: str, minutes: int = 30) -> None:
     if dist.is_initialized():
         return
     if backend == "ccl":
+        # The ccl image runs oneCCL without its own launcher (CCL_PROCESS_LAUNCHER=none),
+        # so each process tells it where it sits on its node.
+        os.environ.setdefault("CCL_LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))
+        os.environ.setdefault("CCL_LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
         try:
             import oneccl_bindings_for_pytorch  # noqa: F401
         except ImportError:

@@ -7,9 +7,12 @@ the trainer, Ray and the tools agree on where a run lives.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
+import socket
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,7 +77,10 @@ def exists(loc: Location) -> bool:
 def check_writable(loc: Location) -> None:
     """Write and delete a probe object, so a wrong bucket or missing permission is caught
     before the job allocates workers."""
-    probe = loc.join(".raylift-write-probe")
+    # A name of its own: every rank of a torchrun job probes the same folder at once.
+    probe = loc.join(
+        f".raylift-write-probe-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    )
     try:
         loc.fs.create_dir(loc.path, recursive=True)
         with loc.fs.open_output_stream(probe.path) as f:
@@ -89,21 +95,27 @@ def _short(exc: BaseException) -> str:
 
 
 def download_dir(loc: Location, dest: Path) -> Path:
-    """Copy a remote folder to a local one (idempotent: skips when a finished copy exists)."""
+    """Copy a remote folder to a local one, once per node: the ranks sharing a node take a
+    file lock, the first downloads, the others find the finished copy."""
     marker = dest / ".raylift-complete"
     if marker.exists():
         return dest
-    dest.mkdir(parents=True, exist_ok=True)
-    try:
-        pafs.copy_files(
-            loc.path,
-            str(dest),
-            source_filesystem=loc.fs,
-            destination_filesystem=pafs.LocalFileSystem(),
-        )
-    except OSError as exc:
-        raise UserError(f"{loc.uri}: cannot download: {_short(exc)}") from None
-    marker.write_text("ok")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(dest) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists():
+            return dest
+        dest.mkdir(parents=True, exist_ok=True)
+        try:
+            pafs.copy_files(
+                loc.path,
+                str(dest),
+                source_filesystem=loc.fs,
+                destination_filesystem=pafs.LocalFileSystem(),
+            )
+        except OSError as exc:
+            raise UserError(f"{loc.uri}: cannot download: {_short(exc)}") from None
+        marker.write_text("ok")
     return dest
 
 

@@ -1,7 +1,7 @@
 """The baseline for the overhead benchmark: the smallest correct DDP loop over the same
 packed blocks (no config, checkpoints, metrics or scheduler bookkeeping). Run with torchrun.
 
-    torchrun --nproc_per_node 2 bare_ddp.py MODEL_DIR TOKENS_BIN DTYPE BLOCK MICRO STEPS OUT
+    torchrun --nproc_per_node 2 bare_ddp.py MODEL_DIR TOKENS_BIN DTYPE BLOCK MICRO STEPS OUT VOCAB
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 
 def main() -> None:
-    model_dir, tokens, dtype, block, micro, steps, out = sys.argv[1:8]
+    model_dir, tokens, dtype, block, micro, steps, out, vocab = sys.argv[1:9]
     block, micro, steps = int(block), int(micro), int(steps)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -26,6 +26,7 @@ def main() -> None:
     data = np.memmap(tokens, dtype=np.dtype(dtype), mode="r")
     n_blocks = len(data) // block
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.resize_token_embeddings(int(vocab), mean_resizing=False)  # the special tokens
     model = DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     order = np.random.default_rng(0).permutation(n_blocks)

@@ -23,12 +23,14 @@ def raylift(model: str, corpus: str, block: int, workdir: str) -> int:
     return len(PackedBlocks(cache, block)) * block
 
 
-def hf(model: str, corpus: str, block: int, workdir: str) -> int:
+def hf(model: str, corpus: str, block: int, workdir: str, num_proc: int | None) -> int:
     from datasets import load_dataset
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    ds = load_dataset("json", data_files=corpus, split="train", cache_dir=f"{workdir}/hf-cache")
+    ds = load_dataset(
+        "json", data_files=corpus, split="train", cache_dir=f"{workdir}/hf-cache-{num_proc}"
+    )
 
     def tokenize(batch):
         out = tok(batch["text"])
@@ -40,15 +42,25 @@ def hf(model: str, corpus: str, block: int, workdir: str) -> int:
         total = (len(flat) // block) * block
         return {"input_ids": [flat[i : i + block] for i in range(0, total, block)]}
 
-    ds = ds.map(tokenize, batched=True, remove_columns=ds.column_names, num_proc=2)
-    ds = ds.map(group_texts, batched=True, num_proc=2)
+    # No reuse of an earlier run's cache: each measurement tokenizes for real.
+    ds = ds.map(
+        tokenize,
+        batched=True,
+        remove_columns=ds.column_names,
+        num_proc=num_proc,
+        load_from_cache_file=False,
+    )
+    ds = ds.map(group_texts, batched=True, num_proc=num_proc, load_from_cache_file=False)
     return len(ds) * block
 
 
 def main() -> None:
     kind, model, corpus, block, workdir, out = sys.argv[1:7]
     t0 = time.perf_counter()
-    tokens = (raylift if kind == "raylift" else hf)(model, corpus, int(block), workdir)
+    if kind == "raylift":
+        tokens = raylift(model, corpus, int(block), workdir)
+    else:  # "hf" is run_clm's default (one process), "hf2" uses both cores
+        tokens = hf(model, corpus, int(block), workdir, 2 if kind == "hf2" else None)
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024

@@ -66,6 +66,7 @@ def test_trainer_overhead(tmp_path):
             str(MICRO),
             str(STEPS),
             str(out),
+            str(meta["vocab_size"]),
         ]
     )
     bare = json.loads(out.read_text())["tokens_per_s"]

@@ -107,11 +107,12 @@ def test_resume_is_exact(ray_cluster, job):
         )
 
 
-def _train_workers() -> list[psutil.Process]:
+def _train_workers(since: float) -> list[psutil.Process]:
+    """This run's Ray Train worker processes (started after `since`)."""
     out = []
-    for p in psutil.process_iter(["cmdline", "name"]):
+    for p in psutil.process_iter(["cmdline", "name", "create_time"]):
         text = " ".join(p.info.get("cmdline") or []) + " " + (p.info.get("name") or "")
-        if "RayTrainWorker" in text:
+        if "RayTrainWorker" in text and p.info["create_time"] >= since:
             out.append(p)
     return out
 
@@ -123,6 +124,7 @@ def test_worker_sigkill_mid_run_resumes_from_last_checkpoint(ray_cluster, job):
         train={"max_steps": total, "eval_every": None},
         checkpoint={"every_steps": every, "keep_last": 2},
     )
+    started = time.time()
     cfg, client, job_id = launch(ray_cluster, path)
     metrics = resolve(cfg.storage.path).join(cfg.run.name, "metrics.jsonl")
 
@@ -135,7 +137,7 @@ def test_worker_sigkill_mid_run_resumes_from_last_checkpoint(ray_cluster, job):
         assert not client.get_job_status(job_id).is_terminal(), client.get_job_logs(job_id)
         time.sleep(0.2)
     assert step >= 2 * every + 5, "training did not reach the kill point in time"
-    victims = _train_workers()
+    victims = _train_workers(started)
     assert len(victims) == 2, victims
     os.kill(victims[-1].pid, signal.SIGKILL)
     killed_at = max(r.get("step", 0) for r in read_records(metrics))

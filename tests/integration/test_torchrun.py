@@ -60,3 +60,25 @@ def test_as_test_runs_one_step_and_leaves_nothing_behind(job, tmp_path):
     assert "step 1/1 loss" in res.stderr
     assert not list((tmp_path / "runs" / "astest").glob("step_*"))
     assert not (tmp_path / "runs" / "astest" / "metrics.jsonl").exists()
+
+
+def test_model_from_s3_is_downloaded_once_per_node(job, tiny, s3_server, tmp_path, monkeypatch):
+    client = s3_server["client"]
+    for f in tiny["model"].iterdir():
+        client.upload_file(str(f), "ckpt", f"models/tiny/{f.name}")
+    cache = tmp_path / "model-cache"
+    monkeypatch.setenv("RAYLIFT_MODEL_CACHE", str(cache))
+    res = torchrun(
+        job("s3model"),
+        "model.path=s3://ckpt/models/tiny",
+        f"storage.endpoint_override={s3_server['endpoint']}",
+        "storage.path=s3://ckpt/runs-s3model",
+        "train.max_steps=4",
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    copies = list(cache.iterdir())
+    dirs = [p for p in copies if p.is_dir()]
+    assert len(dirs) == 1 and (dirs[0] / ".raylift-complete").exists()
+    assert (dirs[0] / "model.safetensors").stat().st_size == (
+        tiny["model"] / "model.safetensors"
+    ).stat().st_size

@@ -53,3 +53,12 @@ def test_storage_not_writable(job, tmp_path):
     cfg = load_config(job(), [f"storage.path={locked}/runs"])
     with pytest.raises(UserError, match="not writable"):
         run_all(cfg)
+
+
+def test_unreachable_s3_endpoint_is_one_clear_error(job):
+    # Port 1 on loopback: nothing listens, so the connection is refused at once.
+    cfg = load_config(
+        job(), ["storage.path=s3://bucket/runs", "storage.endpoint_override=http://127.0.0.1:1"]
+    )
+    with pytest.raises(UserError, match=r"storage.path s3://bucket/runs: not writable: .*connect"):
+        run_all(cfg)
