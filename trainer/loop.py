@@ -286,8 +286,9 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         ):
             metrics.update(evaluate(model, eval_blocks, cfg, rt, device))
         last = metrics
-        if rt.rank == 0 and metrics_file is not None:
+        if metrics_file is not None:
             metrics_file.write({"event": "train", "attempt": metrics_file.attempt, **metrics})
+        if rt.rank == 0:
             log.info(
                 "step %d/%d loss %.4f lr %.3g tokens/s %.0f mfu %s%s",
                 done,
