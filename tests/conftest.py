@@ -22,6 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# No test may reach the EC2 metadata service (169.254.169.254): the AWS SDKs (boto3 and
+# pyarrow's C++ one) ask it for credentials and region when none are set.
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 
 S3_KEY, S3_SECRET = "raylift-test", "raylift-test-secret"
 
