@@ -45,7 +45,6 @@ class LocalCluster:
         self.temp_dir: Path | None = None
         self.dashboard_port = 0
         self._cluster: Any = None
-        self._nodes: list[Any] = []
         self._saved_env: dict[str, str | None] = {}
 
     @property
@@ -141,20 +140,13 @@ class LocalCluster:
         labels: dict[str, str] | None = None,
         resources: dict[str, float] | None = None,
     ) -> Any:
-        node = self._cluster.add_node(
+        return self._cluster.add_node(
             node_ip_address=HOST,
             num_cpus=num_cpus,
             labels=dict(labels or {}),
             resources=dict(resources or {}),
             object_store_memory=128 * 1024 * 1024,
         )
-        self._nodes.append(node)
-        return node
-
-    def remove_node(self, node: Any) -> None:
-        """Kill a whole node (raylet and its workers), as a reclaimed spot instance dies."""
-        self._cluster.remove_node(node, allow_graceful=False)
-        self._nodes.remove(node)
 
     def _get(self, path: str) -> Any:
         req = urllib.request.Request(self.dashboard_url + path, headers=self.auth_headers)

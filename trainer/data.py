@@ -16,7 +16,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,7 @@ def load_special_tokens(path: str | Path) -> list[str]:
 class ScanReport:
     documents: int = 0
     skipped: int = 0
-    first_skipped: list[str] | None = None
+    first_skipped: list[str] = field(default_factory=list)
 
 
 def _doc_text(obj: Any) -> str | None:
@@ -83,9 +83,8 @@ def iter_documents(path: Path, on_bad_line: str, report: ScanReport) -> Iterator
                         f"{path}:{lineno}: {problem}; fix the line or set data.on_bad_line: skip"
                     )
                 report.skipped += 1
-                report.first_skipped = (report.first_skipped or []) + (
-                    [f"{path}:{lineno}: {problem}"] if report.skipped <= 5 else []
-                )
+                if len(report.first_skipped) < 5:
+                    report.first_skipped.append(f"{path}:{lineno}: {problem}")
                 continue
             report.documents += 1
             yield text
@@ -197,7 +196,7 @@ def prepare(
             "num_tokens": num_tokens,
             "documents": report.documents,
             "skipped_lines": report.skipped,
-            "first_skipped": report.first_skipped or [],
+            "first_skipped": report.first_skipped,
             "vocab_size": vocab,
             "eos_token_id": eos,
         }
@@ -218,7 +217,7 @@ def prepare(
             "%s: skipped %d malformed lines (first: %s)",
             path,
             report.skipped,
-            "; ".join(report.first_skipped or []),
+            "; ".join(report.first_skipped),
         )
     log.info("tokenized %s: %d documents, %d tokens → %s", path, report.documents, num_tokens, out)
     return TokenCache(out)

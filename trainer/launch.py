@@ -26,11 +26,9 @@ log = logging.getLogger("trainer.launch")
 def prepare_inputs(cfg: JobConfig, progress: bool = True) -> Prepared:
     """Resolve model/tokenizer folders (downloading S3 ones to this node) and tokenize the
     data into caches next to it, which every worker then memory-maps."""
-    from trainer.model import load_tokenizer, local_model_dir, local_tokenizer_dir
+    from trainer.model import load_tokenizer, local_tokenizer_dir
 
-    model_dir = local_model_dir(cfg)
-    tok_dir = local_tokenizer_dir(cfg)
-    tokenizer = load_tokenizer(tok_dir, cfg.model.special_tokens)
+    tokenizer = load_tokenizer(local_tokenizer_dir(cfg), cfg.model.special_tokens)
     common = dict(
         append_eos=cfg.data.append_eos,
         on_bad_line=cfg.data.on_bad_line,
@@ -48,8 +46,6 @@ def prepare_inputs(cfg: JobConfig, progress: bool = True) -> Prepared:
     return Prepared(
         train_cache=str(train_cache.dir),
         eval_cache=str(eval_cache.dir) if eval_cache else None,
-        model_dir=str(model_dir),
-        tokenizer_dir=str(tok_dir),
     )
 
 

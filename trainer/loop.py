@@ -52,8 +52,6 @@ class Prepared:
 
     train_cache: str
     eval_cache: str | None
-    model_dir: str
-    tokenizer_dir: str
 
 
 def seed_all(seed: int) -> None:
@@ -136,15 +134,9 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         tokenizer = load_tokenizer(resume_dir / "model", None)
         model_src = resume_dir / "model"
     else:
-        # The driver's local copies of S3 folders are on its node; fetch them on this one.
-        model_src = (
-            local_model_dir(cfg) if cfg.model.path.startswith("s3://") else Path(prep.model_dir)
-        )
-        tok_dir = (
-            local_tokenizer_dir(cfg)
-            if (cfg.model.tokenizer or cfg.model.path).startswith("s3://")
-            else Path(prep.tokenizer_dir)
-        )
+        # Local and shared-FS folders are used in place; S3 ones are fetched once per node.
+        model_src = local_model_dir(cfg)
+        tok_dir = local_tokenizer_dir(cfg)
         tokenizer = load_tokenizer(tok_dir, cfg.model.special_tokens)
 
     model = load_model(model_src, cfg, len(tokenizer))
@@ -330,12 +322,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         metrics_file.flush()
     if not cfg.train.as_test and end == steps and start < end:
         _write_probe(cfg, rt, model, train_blocks, device)
-    if (
-        resume_dir is not None
-        and resume_dir.is_relative_to(Path(tempfile.gettempdir()))
-        and resume_dir.name.startswith("raylift-resume-")
-    ):
-        shutil.rmtree(resume_dir, ignore_errors=True)
+    rt.release_fetched()
     return last
 
 
@@ -357,18 +344,14 @@ def _write_probe(
             f.write(body.encode())
 
 
-class _RunMetrics(MetricsFile):
-    attempt: int = 1
-
-
 def _open_metrics(
     cfg: JobConfig, rt: Runtime, start: int, resume_dir: Path | None
-) -> _RunMetrics | None:
+) -> MetricsFile | None:
     if rt.rank != 0 or cfg.train.as_test:
         return None  # a smoke test leaves no history that a real run would inherit
     loc = rt.run.join("metrics.jsonl")
     previous = read_records(loc)
-    mf = _RunMetrics(loc)
+    mf = MetricsFile(loc)
     mf.attempt = 1 + max((int(r.get("attempt", 0)) for r in previous), default=0)
     if previous:
         mf.write(

@@ -58,6 +58,7 @@ class MetricsFile:
 
     def __init__(self, loc: Location):
         self.loc = loc
+        self.attempt = 1  # which (re)start of the run is writing; set by the loop
         self._records: list[dict[str, Any]] = []
         self._dirty = False
         self._appendable = isinstance(loc.fs, pafs.LocalFileSystem)

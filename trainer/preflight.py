@@ -90,7 +90,7 @@ def check_data_file(path: str, what: str, strict: bool, on_bad_line: str, report
         raise DataError(f"{what} {path}: the file has no documents")
 
 
-def check_storage(cfg: JobConfig, report: Report) -> None:
+def check_storage(cfg: JobConfig) -> None:
     from trainer.storage import check_writable, resolve
 
     loc = resolve(cfg.storage.path, cfg.storage.endpoint_override, cfg.storage.region)
@@ -111,5 +111,5 @@ def run_all(cfg: JobConfig, strict: bool = True) -> Report:
     check_data_file(cfg.data.train_file, "data.train_file", strict, cfg.data.on_bad_line, report)
     if cfg.data.eval_file:
         check_data_file(cfg.data.eval_file, "data.eval_file", strict, cfg.data.on_bad_line, report)
-    check_storage(cfg, report)
+    check_storage(cfg)
     return report

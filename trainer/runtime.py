@@ -20,7 +20,7 @@ import torch.distributed as dist
 from trainer import checkpoint as ckpt_mod
 from trainer.config import JobConfig
 from trainer.errors import UserError
-from trainer.storage import Location, download_dir, resolve
+from trainer.storage import Location, download_dir, resolve, upload_dir
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +73,22 @@ class Runtime:
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
 
+    def __init__(self) -> None:
+        self._fetched: list[Path] = []
+
     def _fetch(self, loc: Location) -> Path:
+        """A local path for a checkpoint: in place on a local/shared FS, else a temp copy
+        that `release_fetched` removes."""
         if not loc.is_s3:
             return Path(loc.path)
         dest = Path(tempfile.mkdtemp(prefix="raylift-resume-"))
+        self._fetched.append(dest)
         return download_dir(loc, dest)
+
+    def release_fetched(self) -> None:
+        for path in self._fetched:
+            shutil.rmtree(path, ignore_errors=True)
+        self._fetched = []
 
     def _from_storage(self) -> Path | None:
         loc = ckpt_mod.find_latest(self.run)
@@ -89,6 +100,7 @@ class RayRuntime(Runtime):
         import ray
         import ray.train
 
+        super().__init__()
         ctx = ray.train.get_context()
         self.rank = ctx.get_world_rank()
         self.world_size = ctx.get_world_size()
@@ -135,6 +147,7 @@ class TorchrunRuntime(Runtime):
     """torchrun / Slurm / Kubernetes: env:// rendezvous, the trainer persists checkpoints."""
 
     def __init__(self, cfg: JobConfig, backend: str):
+        super().__init__()
         self.rank = int(os.environ.get("RANK", 0))
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -155,15 +168,7 @@ class TorchrunRuntime(Runtime):
             # resumed from. Clear it so old files cannot pass for new ones.
             target.fs.delete_dir(target.path)
         self.barrier()
-        target.fs.create_dir(target.path, recursive=True)
-        from pyarrow import fs as pafs
-
-        pafs.copy_files(
-            str(ckpt_dir),
-            target.path,
-            source_filesystem=pafs.LocalFileSystem(),
-            destination_filesystem=target.fs,
-        )
+        upload_dir(ckpt_dir, target)
         self.barrier()
         if self.rank == 0:
             state, why = ckpt_mod.completeness(target)
@@ -171,8 +176,3 @@ class TorchrunRuntime(Runtime):
                 raise ckpt_mod.CheckpointError(f"{target.uri}: upload incomplete ({why})")
             ckpt_mod.prune(self.run, self.keep_last)
         self.barrier()
-
-
-def cleanup_local(path: Path | None) -> None:
-    if path is not None and path.exists():
-        shutil.rmtree(path, ignore_errors=True)

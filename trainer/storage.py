@@ -70,10 +70,6 @@ def resolve(uri: str, endpoint_override: str | None = None, region: str | None =
     return Location(pafs.LocalFileSystem(), path, path)
 
 
-def exists(loc: Location) -> bool:
-    return loc.fs.get_file_info(loc.path).type != pafs.FileType.NotFound
-
-
 def check_writable(loc: Location) -> None:
     """Write and delete a probe object, so a wrong bucket or missing permission is caught
     before the job allocates workers."""
