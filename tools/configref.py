@@ -4,6 +4,7 @@ reference cannot drift from the code: `python tools/configref.py` (a test compar
 from __future__ import annotations
 
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -35,22 +36,44 @@ def _default(field: Any) -> str:
     return f"`{value!r}`".replace("None", "null").replace("|", "\\|")
 
 
+def _variants(annotation: Any) -> list[type[BaseModel]]:
+    """A section is one model, or a discriminated union of them (one per strategy)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    args = typing.get_args(annotation)
+    if args and typing.get_origin(annotation) is typing.Annotated:
+        return _variants(args[0])
+    return [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+
+
 def reference() -> str:
     out = [BEGIN]
     for section, sfield in JobConfig.model_fields.items():
-        model = sfield.annotation
-        out += [
-            "",
-            f"**`{section}`**",
-            "",
-            "| field | type | default | meaning |",
-            "|---|---|---|---|",
-        ]
-        for name, f in model.model_fields.items():
-            desc = (f.description or "").replace("|", "\\|")
-            out.append(f"| `{section}.{name}` | {_type(f.annotation)} | {_default(f)} | {desc} |")
+        variants = _variants(sfield.annotation)
+        for model in variants:
+            title = f"**`{section}`**"
+            if len(variants) > 1:
+                title += f" with `name: {_name(model)}`"
+                title += f": {(model.__doc__ or '').strip()}"
+            out += ["", title, "", "| field | type | default | meaning |", "|---|---|---|---|"]
+            out += _rows(section, model)
     out += ["", END]
     return "\n".join(out)
+
+
+def _rows(prefix: str, model: type[BaseModel]) -> list[str]:
+    rows = []
+    for name, f in model.model_fields.items():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            rows += _rows(f"{prefix}.{name}", f.annotation)  # a nested section: its fields
+            continue
+        desc = (f.description or "").replace("|", "\\|")
+        rows.append(f"| `{prefix}.{name}` | {_type(f.annotation)} | {_default(f)} | {desc} |")
+    return rows
+
+
+def _name(model: type[BaseModel]) -> str:
+    return typing.get_args(model.model_fields["name"].annotation)[0]
 
 
 if __name__ == "__main__":

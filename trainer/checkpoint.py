@@ -1,15 +1,23 @@
-"""Checkpoints: what is in one, when it counts as complete, and how to find the latest.
+"""Checkpoints: one manager owns cadence, layout, completeness and the format field.
 
-A checkpoint folder `step_<N>` holds:
-- `model/`: the Hugging Face model + tokenizer (loadable with plain transformers),
-- `optimizer.pt`, `scheduler.pt`, `trainer_state.json` (step, epoch, tokens, world size),
+A resume checkpoint `step_<N>/` holds a set of stateful parts, each in its own place:
+- `strategy/`: the strategy's resume state (model + optimizer; sharded for FSDP),
+- `scheduler.pt`: the LR scheduler (rank 0),
 - `rng/rank_<r>.pt`: every rank's RNG state,
+- `trainer_state.json`: the train state and data position (step, tokens, global batch,
+  block size, seed) plus the format: `format` version, `strategy`, `layout`, `adapter`.
+  A checkpoint written by another strategy or layout is refused in one clear line.
 - `done/rank_<r>.json`: every rank's manifest of the files it wrote, with sizes.
 
 Ranks upload in parallel and in any order, so a folder is complete only when the state
 file exists and every rank's manifest is present with all the files it lists at the
 listed sizes. A folder torn by a kill mid-upload fails that test and is never loaded;
-the previous checkpoint stays the latest.
+the previous checkpoint stays the latest. Checkpoints that exist but of which none is
+complete are an error, never a silent start from scratch.
+
+The user's export (`export/step_<N>/`: a plain Hugging Face folder, or a PEFT adapter
+folder) is separate: written at the end of the run and every `checkpoint.export_every`
+steps, never needed to resume.
 """
 
 from __future__ import annotations
@@ -18,8 +26,10 @@ import json
 import logging
 import random
 import re
+import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -31,6 +41,9 @@ from trainer.storage import Location
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+FORMAT = 2
+"""Version of the checkpoint layout; 1 was the HF-folder-inside-the-checkpoint layout."""
+EXPORT_DIR = "export"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 
@@ -120,13 +133,24 @@ def list_checkpoints(run: Location) -> list[tuple[int, Location]]:
     return sorted(found, key=lambda x: x[0])
 
 
-def find_latest(run: Location) -> Location | None:
-    """The newest complete checkpoint of a run; torn ones are reported and passed over."""
+def find_latest(run: Location, allow_restart_from_scratch: bool = False) -> Location | None:
+    """The newest complete checkpoint of a run; torn ones are reported and passed over.
+    When there are checkpoints and none is complete, that is an error naming them (a run
+    that silently starts over would overwrite its own history), unless explicitly allowed."""
+    torn = []
     for _step, loc in reversed(list_checkpoints(run)):
         state, why = completeness(loc)
         if state is not None:
             return loc
         log.warning("checkpoint %s is incomplete (%s); using an earlier one", loc.uri, why)
+        torn.append(f"{loc.uri} ({why})")
+    if torn and not allow_restart_from_scratch:
+        raise CheckpointError(
+            f"{run.uri}: none of its checkpoints is complete: {'; '.join(torn)}; "
+            "delete them or set checkpoint.allow_restart_from_scratch: true to start over"
+        )
+    if torn:
+        log.warning("no complete checkpoint in %s; starting over (allowed by config)", run.uri)
     return None
 
 
@@ -162,3 +186,189 @@ def load_rng(ckpt: Path, rank: int) -> bool:
         return False
     set_rng_state(torch.load(path, map_location="cpu", weights_only=False))
     return True
+
+
+# ------------------------------------------------------------------ the manager
+
+
+class Stateful(Protocol):
+    """One part of a resume checkpoint. `save` writes this rank's share under `out`;
+    `load` reads it back from a complete checkpoint (all ranks' files are there)."""
+
+    def save(self, out: Path, rank: int) -> None: ...
+
+    def load(self, ckpt: Path, rank: int) -> None: ...
+
+
+@dataclass
+class TrainState:
+    """The loop's counters; the data position is a pure function of `step`."""
+
+    step: int = 0
+    tokens_seen: int = 0
+
+
+class SchedulerPart:
+    def __init__(self, scheduler: Any):
+        self.scheduler = scheduler
+
+    def save(self, out: Path, rank: int) -> None:
+        if rank == 0:
+            torch.save(self.scheduler.state_dict(), out / "scheduler.pt")
+
+    def load(self, ckpt: Path, rank: int) -> None:
+        try:
+            state = torch.load(ckpt / "scheduler.pt", map_location="cpu", weights_only=False)
+        except FileNotFoundError:
+            raise CheckpointError(f"{ckpt}: scheduler.pt is missing") from None
+        self.scheduler.load_state_dict(state)
+
+
+class RNGPart:
+    """Every rank's RNG streams. After a world-size change some ranks have none: they
+    reseed from (seed, step, rank), which keeps runs reproducible if not bit-identical."""
+
+    def __init__(self, seed: int, train_state: TrainState):
+        self.seed = seed
+        self.train_state = train_state
+
+    def save(self, out: Path, rank: int) -> None:
+        (out / "rng").mkdir(exist_ok=True)
+        torch.save(rng_state(), out / "rng" / f"rank_{rank}.pt")
+
+    def load(self, ckpt: Path, rank: int) -> None:
+        if not load_rng(ckpt, rank):
+            log.warning(
+                "no RNG state for rank %d in %s (world size changed); reseeding", rank, ckpt
+            )
+            seed = self.seed + 1000 * self.train_state.step + rank
+            random.seed(seed)
+            np.random.seed(seed % (2**32))
+            torch.manual_seed(seed)
+
+
+class StrategyPart:
+    """The strategy's own resume state, under `strategy/` (its layout, its files)."""
+
+    def __init__(self, strategy: Any):
+        self.strategy = strategy
+
+    def save(self, out: Path, rank: int) -> None:
+        (out / "strategy").mkdir(exist_ok=True)
+        self.strategy.save_state(out / "strategy", rank)
+
+    def load(self, ckpt: Path, rank: int) -> None:
+        self.strategy.load_state(ckpt / "strategy", rank)
+
+
+@dataclass
+class Identity:
+    """What a checkpoint must agree with to be resumed: written into its state file."""
+
+    strategy: str
+    layout: str
+    adapter: str
+    global_batch: int
+    block_size: int
+    run_name: str
+
+    def check(self, state: dict[str, Any], where: Path | str) -> None:
+        fmt = state.get("format", 1)
+        if fmt != FORMAT:
+            raise CheckpointError(
+                f"{where}: checkpoint format {fmt} is not this trainer's format {FORMAT} "
+                "(written by another Raylift version); use a new run.name"
+            )
+        for key, what in (("strategy", "strategy.name"), ("layout", "strategy layout")):
+            if state.get(key) != getattr(self, key):
+                raise CheckpointError(
+                    f"{where}: checkpoint was written by strategy {state.get('strategy')} "
+                    f"(layout {state.get('layout')}), this job uses {self.strategy} (layout "
+                    f"{self.layout}); set {what} back to resume, or use a new run.name"
+                )
+        if state.get("adapter") != self.adapter:
+            raise CheckpointError(
+                f"{where}: checkpoint trained model.adapter {state.get('adapter')}, this job "
+                f"has {self.adapter}; keep it to resume, or use a new run.name"
+            )
+        if state.get("global_batch") != self.global_batch:
+            raise CheckpointError(
+                f"{where}: checkpoint was trained with global batch "
+                f"{state.get('global_batch')}, this config has {self.global_batch}; keep "
+                "micro_batch_size × grad_accum × num_workers equal to resume, or use a new "
+                "run.name"
+            )
+        if state.get("block_size") != self.block_size:
+            raise CheckpointError(
+                f"{where}: checkpoint used block_size {state.get('block_size')}, config has "
+                f"{self.block_size}; use a new run.name to change it"
+            )
+
+
+class CheckpointManager:
+    """Cadence, layout and completeness of resume checkpoints, and the export cadence.
+    Adding a part to the checkpoint means adding one `Stateful` to `parts`."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        parts: dict[str, Stateful],
+        train_state: TrainState,
+        rank: int,
+        world_size: int,
+        every: int | None,
+        export_every: int | None,
+        enabled: bool = True,
+    ):
+        self.identity = identity
+        self.parts = parts
+        self.train_state = train_state
+        self.rank = rank
+        self.world_size = world_size
+        self.every = every
+        self.export_every = export_every
+        self.enabled = enabled
+
+    def due(self, step: int, end: int) -> bool:
+        return self.enabled and (step == end or (self.every is not None and step % self.every == 0))
+
+    def export_due(self, step: int, end: int, final: bool) -> bool:
+        periodic = self.export_every is not None and step % self.export_every == 0
+        return self.enabled and ((step == end and final) or periodic)
+
+    def save(self, extra: dict[str, Any]) -> Path:
+        """Write this rank's share of a checkpoint into a fresh local folder (the runtime
+        uploads it) and its manifest. Collective: every rank calls it."""
+        step = self.train_state.step
+        out = Path(tempfile.mkdtemp(prefix=f"raylift-ckpt-{step}-r{self.rank}-"))
+        for part in self.parts.values():
+            part.save(out, self.rank)
+        if self.rank == 0:
+            state = {
+                "format": FORMAT,
+                **asdict(self.identity),
+                "step": step,
+                "tokens_seen": self.train_state.tokens_seen,
+                "world_size": self.world_size,
+                "parts": sorted(self.parts),
+                **extra,
+            }
+            (out / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
+        write_manifest(out, self.rank, before=set())
+        return out
+
+    def restore(self, ckpt: Path) -> dict[str, Any]:
+        """Check the checkpoint is resumable by this job, then load every part."""
+        state = load_state(ckpt)
+        self.identity.check(state, ckpt)
+        self.train_state.step = int(state["step"])
+        self.train_state.tokens_seen = int(state["tokens_seen"])
+        for part in self.parts.values():
+            part.load(ckpt, self.rank)
+        return state
+
+
+def latest_export(run: Location) -> Location | None:
+    """The newest export folder of a run (export/step_<N>/)."""
+    found = list_checkpoints(run.join(EXPORT_DIR))
+    return found[-1][1] if found else None

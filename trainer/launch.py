@@ -116,10 +116,18 @@ def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
         "storage": run.uri,
         "metrics": dict(result.metrics or {}),
         "checkpoint": _uri(run, result.checkpoint.path) if result.checkpoint else None,
+        "export": _export_uri(run),
         "metrics_file": run.join("metrics.jsonl").uri,
     }
     _write_summary(run, summary)
     return summary
+
+
+def _export_uri(run: Any) -> str | None:
+    from trainer.checkpoint import latest_export
+
+    loc = latest_export(run)
+    return loc.uri if loc is not None else None
 
 
 def _uri(run: Any, path: str) -> str:
@@ -148,12 +156,13 @@ def launch_torchrun(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
 
     last = torchrun_worker(cfg, prep)
     run = run_location(cfg)
-    latest = find_latest(run)
+    latest = find_latest(run, allow_restart_from_scratch=True)
     summary = {
         "run": cfg.run.name,
         "storage": run.uri,
         "metrics": last,
         "checkpoint": latest.uri if latest else None,
+        "export": _export_uri(run),
         "metrics_file": run.join("metrics.jsonl").uri,
     }
     if int(os.environ.get("RANK", 0)) == 0:

@@ -57,8 +57,10 @@ def load_tokenizer(tokenizer_dir: Path, special_tokens_file: str | None) -> Any:
     return tok
 
 
-def check_device(cfg: JobConfig) -> torch.device:
-    """Refuse GPU-only settings on a node without a GPU, in one clear line."""
+def check_device(cfg: JobConfig, local_rank: int = 0) -> torch.device:
+    """The device this process trains on, refusing GPU-only settings without a GPU in one
+    clear line. Each process binds its own GPU: under torchrun `LOCAL_RANK` says which
+    (Ray Train sets CUDA_VISIBLE_DEVICES per worker, so its workers see index 0)."""
     if cfg.scaling.use_gpu:
         if not torch.cuda.is_available():
             raise DeviceError(
@@ -70,38 +72,97 @@ def check_device(cfg: JobConfig) -> torch.device:
                 f"train.precision bf16: {torch.cuda.get_device_name()} has no bf16 support; "
                 "use fp16 or fp32"
             )
-        if cfg.model.attn_implementation == "flash_attention_2":
-            try:
-                import flash_attn  # noqa: F401
-            except ImportError:
-                raise DeviceError(
-                    "model.attn_implementation flash_attention_2: the flash-attn package is "
-                    "not installed in this image; use sdpa"
-                ) from None
-        return torch.device("cuda", torch.cuda.current_device())
+        index = local_rank if local_rank < torch.cuda.device_count() else 0
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
-def load_model(model_dir: Path, cfg: JobConfig, vocab_size: int) -> Any:
-    """Load the HF causal LM in fp32 master weights (autocast handles bf16/fp16 compute)
-    and grow the embeddings to the tokenizer's size."""
-    from transformers import AutoModelForCausalLM
+def compute_dtype(cfg: JobConfig) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
+        cfg.train.precision
+    ]
+
+
+def _new_rows(n: int, dim: int, std: float, seed: int, salt: int) -> torch.Tensor:
+    """Rows for tokens the model has never seen, the same on every rank and in every
+    strategy (so FSDP, which does not broadcast initial weights, builds DDP's model)."""
+    g = torch.Generator().manual_seed(seed * 1000 + salt)
+    return torch.randn(n, dim, generator=g) * std
+
+
+_GROWN = ("model.embed_tokens.weight", "lm_head.weight", "embed_out.weight")
+
+
+def grow_rows(name: str, tensor: torch.Tensor, vocab_size: int, std: float, seed: int) -> Any:
+    """Pad an embedding/output matrix from the checkpoint to the tokenizer's size."""
+    if name not in _GROWN or tensor.shape[0] >= vocab_size:
+        return tensor
+    extra = _new_rows(vocab_size - tensor.shape[0], tensor.shape[1], std, seed, _GROWN.index(name))
+    return torch.cat([tensor, extra.to(tensor.dtype)], dim=0)
+
+
+def model_config(model_dir: Path, cfg: JobConfig, vocab_size: int) -> Any:
+    from transformers import AutoConfig
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=torch.float32, attn_implementation=cfg.model.attn_implementation
-        )
+        conf = AutoConfig.from_pretrained(str(model_dir))
     except (OSError, ValueError) as exc:
         raise UserError(f"{model_dir}: cannot load the model: {str(exc).splitlines()[0]}") from None
-    if model.get_input_embeddings().num_embeddings < vocab_size:
-        log.info(
-            "resizing embeddings %d → %d for added special tokens",
-            model.get_input_embeddings().num_embeddings,
-            vocab_size,
-        )
+    conf.vocab_size = max(conf.vocab_size, vocab_size)
+    conf.use_cache = False
+    return conf
+
+
+def full_state_dict(model_dir: Path, vocab_size: int, std: float, seed: int) -> dict[str, Any]:
+    """The checkpoint's weights, memory-mapped (safetensors), grown to the vocabulary. Each
+    rank reads only the pages its shards touch."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{model_dir}: no *.safetensors weights (convert .bin checkpoints)")
+    out: dict[str, Any] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                out[k] = grow_rows(k, st.get_tensor(k), vocab_size, std, seed)
+    return out
+
+
+def load_model(
+    model_dir: Path,
+    cfg: JobConfig,
+    vocab_size: int,
+    dtype: torch.dtype = torch.float32,
+    quantization: Any = None,
+) -> Any:
+    """Load the HF causal LM (fp32 master weights unless the caller asks for the compute
+    dtype, e.g. for a frozen adapter base) and grow the embeddings to the tokenizer's size
+    with rows every strategy agrees on."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": cfg.model.attn_implementation}
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{model_dir}: cannot load the model: {str(exc).splitlines()[0]}") from None
+    old = model.get_input_embeddings().num_embeddings
+    if old < vocab_size:
+        log.info("resizing embeddings %d → %d for added special tokens", old, vocab_size)
         model.resize_token_embeddings(vocab_size, mean_resizing=False)
+        std = float(getattr(model.config, "initializer_range", 0.02))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in _GROWN and p.shape[0] == vocab_size:
+                    rows = _new_rows(
+                        vocab_size - old, p.shape[1], std, cfg.train.seed, _GROWN.index(name)
+                    )
+                    p[old:] = rows.to(p.dtype)
     if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model
 

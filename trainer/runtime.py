@@ -90,8 +90,10 @@ class Runtime:
             shutil.rmtree(path, ignore_errors=True)
         self._fetched = []
 
+    allow_restart_from_scratch: bool = False
+
     def _from_storage(self) -> Path | None:
-        loc = ckpt_mod.find_latest(self.run)
+        loc = ckpt_mod.find_latest(self.run, self.allow_restart_from_scratch)
         return self._fetch(loc) if loc is not None else None
 
 
@@ -107,27 +109,28 @@ class RayRuntime(Runtime):
         self.local_rank = ctx.get_local_rank()
         self.run = run_location(cfg)
         self.node_labels = dict(ray.get_runtime_context().get_node_labels())
+        self.allow_restart_from_scratch = cfg.checkpoint.allow_restart_from_scratch
 
     def latest_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint in storage. Ray's own latest is checked too (it
+        must be complete), but a newer complete one in storage wins: the controller may
+        have died before it registered the last upload."""
         import ray.train
 
         reported = ray.train.get_checkpoint()
-        if reported is None:
-            # A fresh submission of an existing run: Ray restores its own checkpoint index
-            # from storage, and when that is absent we still find the newest complete one.
-            return self._from_storage()
-        loc = Location(
-            reported.filesystem,
-            reported.path,
-            ("s3://" + reported.path) if self.run.is_s3 else reported.path,
-        )
-        state, why = ckpt_mod.completeness(loc)
-        if state is None:
-            raise ckpt_mod.CheckpointError(
-                f"{loc.uri}: Ray's latest checkpoint is incomplete ({why}); refusing to "
-                "train from scratch over it"
+        if reported is not None:
+            loc = Location(
+                reported.filesystem,
+                reported.path,
+                ("s3://" + reported.path) if self.run.is_s3 else reported.path,
             )
-        return self._fetch(loc)
+            state, why = ckpt_mod.completeness(loc)
+            if state is None:
+                raise ckpt_mod.CheckpointError(
+                    f"{loc.uri}: Ray's latest checkpoint is incomplete ({why}); refusing to "
+                    "train from scratch over it"
+                )
+        return self._from_storage()
 
     def report(self, metrics: dict[str, Any], step: int, ckpt_dir: Path | None) -> None:
         import ray.train
@@ -153,6 +156,7 @@ class TorchrunRuntime(Runtime):
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.keep_last = cfg.checkpoint.keep_last
         self.run = run_location(cfg)
+        self.allow_restart_from_scratch = cfg.checkpoint.allow_restart_from_scratch
         if self.world_size > 1:
             init_process_group(backend)
 

@@ -64,11 +64,16 @@ def test_ddp_run_lowers_loss_and_exports_loadable_hf_checkpoint(ray_cluster, job
     assert summary["checkpoint"] == str(final)
     state = json.loads((final / "trainer_state.json").read_text())
     assert state["step"] == 24 and state["world_size"] == 2
+    assert state["format"] == 2 and state["strategy"] == "ddp" and state["layout"] == "ddp/1"
     assert state["rank0_node_labels"].get("large_cpu_mem") == "true"
+    # The export is separate from the resume state: only at the end (no export_every).
+    assert sorted(p.name for p in (run_dir / "export").iterdir()) == ["step_00000024"]
+    export = run_dir / "export" / "step_00000024" / "model"
+    assert summary["export"] == str(export.parent)
 
     # Plain transformers, no trainer code: same logits as the model at the end of training.
-    model = AutoModelForCausalLM.from_pretrained(final / "model")
-    tok = AutoTokenizer.from_pretrained(final / "model")
+    model = AutoModelForCausalLM.from_pretrained(export)
+    tok = AutoTokenizer.from_pretrained(export)
     assert "<START_Q>" in tok.get_vocab()
     probe = json.loads((run_dir / "final_probe.json").read_text())
     with torch.no_grad():
@@ -94,13 +99,14 @@ def test_resume_is_exact(ray_cluster, job):
     for ra, rb in zip(steps_a, steps_b, strict=True):
         assert rb["loss"] == pytest.approx(ra["loss"], abs=1e-6), ra["step"]
 
-    wa = load_file(str(Path(cfg_a.storage.path) / "exact-a/step_00000012/model/model.safetensors"))
-    wb = load_file(str(Path(cfg_b.storage.path) / "exact-b/step_00000012/model/model.safetensors"))
+    root = Path(cfg_a.storage.path)
+    wa = load_file(str(root / "exact-a/export/step_00000012/model/model.safetensors"))
+    wb = load_file(str(root / "exact-b/export/step_00000012/model/model.safetensors"))
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=0, msg=k)
-    oa = torch.load(Path(cfg_a.storage.path) / "exact-a/step_00000012/optimizer.pt")
-    ob = torch.load(Path(cfg_b.storage.path) / "exact-b/step_00000012/optimizer.pt")
+    oa = torch.load(root / "exact-a/step_00000012/strategy/optimizer.pt")
+    ob = torch.load(root / "exact-b/step_00000012/strategy/optimizer.pt")
     for i, sa in oa["state"].items():
         torch.testing.assert_close(
             sa["exp_avg_sq"], ob["state"][i]["exp_avg_sq"], atol=1e-9, rtol=0
@@ -178,7 +184,8 @@ def test_s3_storage_checkpoints_and_resume(ray_cluster, job, s3_server):
             "Contents"
         ]
     }
-    assert "runs/s3run/step_00000012/model/model.safetensors" in keys
+    assert "runs/s3run/step_00000012/strategy/model.pt" in keys
+    assert "runs/s3run/export/step_00000012/model/model.safetensors" in keys
     assert "runs/s3run/step_00000012/trainer_state.json" in keys
     assert "runs/s3run/metrics.jsonl" in keys
     assert summary["checkpoint"] == "s3://ckpt/runs/s3run/step_00000012"

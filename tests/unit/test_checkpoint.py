@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from trainer import checkpoint as ck
@@ -76,3 +77,95 @@ def test_rng_round_trip(tmp_path):
     assert ck.load_rng(d, 0)
     assert torch.equal(torch.rand(3), a)
     assert not ck.load_rng(d, 1)
+
+
+def test_checkpoints_but_none_complete_is_an_error_naming_them(tmp_path):
+    import pytest
+
+    from trainer.errors import CheckpointError
+
+    make_ckpt(tmp_path, 4, torn="truncated")
+    make_ckpt(tmp_path, 8, torn="missing-rank")
+    with pytest.raises(CheckpointError) as exc:
+        ck.find_latest(resolve(str(tmp_path)))
+    assert "step_00000004" in str(exc.value) and "step_00000008" in str(exc.value)
+    assert "allow_restart_from_scratch" in str(exc.value)
+    assert ck.find_latest(resolve(str(tmp_path)), allow_restart_from_scratch=True) is None
+    assert ck.find_latest(resolve(str(tmp_path / "empty"))) is None  # a new run: fine
+
+
+class _Counter:
+    """A stateful part: rank 0 writes its value, every rank reads it back."""
+
+    def __init__(self, value: int):
+        self.value = value
+
+    def save(self, out: Path, rank: int) -> None:
+        if rank == 0:
+            (out / "counter.json").write_text(json.dumps(self.value))
+
+    def load(self, ckpt: Path, rank: int) -> None:
+        self.value = json.loads((ckpt / "counter.json").read_text())
+
+
+def _identity(**kw):
+    base = dict(
+        strategy="ddp", layout="ddp/1", adapter="none", global_batch=8, block_size=32, run_name="r"
+    )
+    return ck.Identity(**{**base, **kw})
+
+
+def _manager(identity, counter, ts, rank=0, world=2):
+    return ck.CheckpointManager(
+        identity, {"counter": counter}, ts, rank, world, every=4, export_every=None
+    )
+
+
+def _save_world(tmp_path, identity, world=2, value=5, step=8):
+    """Every rank saves its share; merge them into one folder as the runtime's upload does."""
+    import shutil
+
+    dest = tmp_path / ck.dir_name(step)
+    for r in range(world):
+        ts = ck.TrainState(step=step, tokens_seen=step * 256)
+        out = _manager(identity, _Counter(value), ts, rank=r, world=world).save({"epoch": 0})
+        shutil.copytree(out, dest, dirs_exist_ok=True)
+        shutil.rmtree(out)
+    return dest
+
+
+def test_manager_round_trip_and_completeness(tmp_path):
+    dest = _save_world(tmp_path, _identity())
+    state, why = ck.completeness(resolve(str(tmp_path)).join(dest.name))
+    assert why == "" and state["format"] == ck.FORMAT and state["layout"] == "ddp/1"
+    counter, ts = _Counter(0), ck.TrainState()
+    _manager(_identity(), counter, ts).restore(dest)
+    assert counter.value == 5 and ts.step == 8 and ts.tokens_seen == 8 * 256
+
+
+def test_manager_cadence():
+    m = _manager(_identity(), _Counter(0), ck.TrainState())
+    assert [s for s in range(1, 11) if m.due(s, end=10)] == [4, 8, 10]
+    m.export_every = 3
+    assert [s for s in range(1, 11) if m.export_due(s, 10, final=True)] == [3, 6, 9, 10]
+    assert [s for s in range(1, 11) if m.export_due(s, 10, final=False)] == [3, 6, 9]
+
+
+def test_manager_refuses_another_strategy_layout_or_format(tmp_path):
+    import pytest
+
+    from trainer.errors import CheckpointError
+
+    dest = _save_world(tmp_path, _identity())
+    for other, needle in (
+        (_identity(strategy="fsdp", layout="dcp/1"), "written by strategy ddp (layout ddp/1)"),
+        (_identity(adapter="lora"), "model.adapter none"),
+        (_identity(global_batch=16), "global batch 8"),
+    ):
+        with pytest.raises(CheckpointError, match=re.escape(needle)):
+            _manager(other, _Counter(0), ck.TrainState()).restore(dest)
+    state = json.loads((dest / ck.STATE_FILE).read_text())
+    del state["format"]  # what a checkpoint of the first layout looks like
+    (dest / ck.STATE_FILE).write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match="checkpoint format 1 is not"):
+        _manager(_identity(), _Counter(0), ck.TrainState()).restore(dest)

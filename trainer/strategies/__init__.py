@@ -1,62 +1,85 @@
-"""Strategies: how a model is wrapped for data parallelism, and how it is saved and loaded.
+"""Strategies: everything that differs between data-parallel schemes, behind one seam.
 
-A strategy knows nothing about data, Ray or storage. The loop calls exactly the methods
-of `Strategy`; adding FSDP2 or DeepSpeed means adding a module that implements them and a
-line in `_REGISTRY`, not touching the loop.
+A strategy builds the model from the model source (plain load for DDP, meta-device
+skeleton + sharded load for FSDP2, a 4-bit load for QLoRA), its optimizer and its
+precision context; it runs backward and the optimizer step (clipping included, returning
+the grad norm); it saves and loads its own resume state; and it writes the user's export
+(a plain Hugging Face folder, or a PEFT adapter folder). The loop calls exactly the
+methods of `Strategy` and never asks which one it has; adding one means a module that
+implements them and a line in `build_strategy`.
+
+A strategy knows nothing about data, Ray or storage: it reads and writes local folders.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from trainer.config import JobConfig
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the weights come from and what the tokenizer needs of them."""
+
+    model_dir: Path
+    vocab_size: int
+
 
 class Strategy(Protocol):
     name: str
+    layout: str
+    """Resume-state layout id, recorded in every checkpoint; a different one is refused."""
 
-    def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-        """Return the model ready for training (moved, wrapped or sharded)."""
+    model: torch.nn.Module
+    """The module the loop calls forward on (wrapped or sharded)."""
 
-    def unwrap(self, model: torch.nn.Module) -> Any:
-        """The underlying Hugging Face model (for config, generation, export)."""
+    optimizer: torch.optim.Optimizer
 
-    def build_optimizer(
-        self, model: torch.nn.Module, groups: list[dict[str, Any]], **kwargs: Any
-    ) -> torch.optim.Optimizer:
-        """An optimizer over the wrapped model's parameter groups."""
+    def setup(self, source: ModelSource) -> None:
+        """Build the model from `source` and the optimizer over it."""
 
-    def no_sync(self, model: torch.nn.Module, last_micro_step: bool) -> AbstractContextManager:
-        """Skip gradient synchronisation on all but the last micro step of an accumulation."""
+    def precision(self) -> AbstractContextManager:
+        """The context forward passes run in (autocast, or a null context)."""
 
-    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float | None) -> float:
-        """Clip (if max_norm) and return the global gradient norm."""
+    def accumulating(self, last_micro_step: bool) -> AbstractContextManager:
+        """Skip gradient synchronisation on all but the last micro step."""
 
-    def save(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        out: Path,
-        rank: int,
-        tokenizer: Any,
-    ) -> None:
-        """Write model (HF format, under out/'model'), and optimizer state into `out`."""
+    def backward(self, loss: torch.Tensor) -> None: ...
 
-    def load(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ckpt: Path, rank: int
-    ) -> None:
-        """Restore model and optimizer state written by `save` (same strategy)."""
+    def step(self) -> float:
+        """Clip (if configured), step the optimizer, zero the grads; the global grad norm."""
+
+    def evaluating(self) -> AbstractContextManager:
+        """Eval mode and no grad for the duration, train mode after."""
+
+    def save_state(self, out: Path, rank: int) -> None:
+        """Write this rank's part of the resume state (model + optimizer) under `out`."""
+
+    def load_state(self, ckpt: Path, rank: int) -> None:
+        """Restore what `save_state` wrote (possibly by a different world size)."""
+
+    def export(self, out: Path, rank: int, tokenizer: Any) -> bool:
+        """Write the user's export under `out`; True on the rank(s) that wrote files.
+        Collective: every rank calls it."""
 
 
-def get_strategy(name: str, world_size: int) -> Strategy:
-    from trainer.strategies.ddp import DDPStrategy
+def build_strategy(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> Strategy:
+    name = cfg.strategy.name
+    if name == "ddp":
+        from trainer.strategies.ddp import DDPStrategy
 
-    registry = {"ddp": DDPStrategy}
-    if name not in registry:
-        raise ValueError(f"train.strategy: unknown strategy {name!r}")
-    return registry[name](world_size)
+        return DDPStrategy(cfg, device, world_size)
+    if name == "fsdp":
+        from trainer.strategies.fsdp import FSDPStrategy
+
+        return FSDPStrategy(cfg, device, world_size)
+    raise ValueError(f"strategy.name: unknown strategy {name!r}")
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:

@@ -1,8 +1,8 @@
 """DDP: every rank holds the whole model; gradients are all-reduced.
 
-Checkpoint layout (written by rank 0, since replicas are identical): `model/` is a plain
-Hugging Face folder (safetensors + config + tokenizer) that `from_pretrained` loads with
-no trainer code, and `optimizer.pt` holds the optimizer state.
+Resume state (layout `ddp/1`, written by rank 0 since replicas are identical):
+`model.pt` (the trainable weights: all of them, or only the adapter's) and
+`optimizer.pt`, plus `scaler.pt` under fp16. Composes with the LoRA/QLoRA adapter axis.
 """
 
 from __future__ import annotations
@@ -13,91 +13,127 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer import adapters
+from trainer.config import JobConfig
 from trainer.errors import CheckpointError
+from trainer.model import load_model
+from trainer.strategies import ModelSource
+from trainer.strategies.common import (
+    Evaluating,
+    autocast,
+    build_optimizer,
+    clip_grad_norm,
+    loss_scaler,
+)
 
 
 class DDPStrategy:
     name = "ddp"
+    layout = "ddp/1"
 
-    def __init__(self, world_size: int):
+    def __init__(self, cfg: JobConfig, device: torch.device, world_size: int):
+        self.cfg = cfg
+        self.device = device
         self.world_size = world_size
+        self._autocast = autocast(cfg, device)
+        self.scaler = loss_scaler(cfg)
+        self.model: torch.nn.Module
+        self.optimizer: torch.optim.Optimizer
+        self.source: ModelSource
 
-    def _distributed(self) -> bool:
-        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+    def setup(self, source: ModelSource) -> None:
+        cfg, device = self.cfg, self.device
+        self.source = source
+        quant = adapters.quantization(cfg, device)
+        dtype = adapters.base_dtype(cfg, device) if adapters.enabled(cfg) else torch.float32
+        model = load_model(
+            source.model_dir, cfg, source.vocab_size, dtype=dtype, quantization=quant
+        )
+        if adapters.enabled(cfg):
+            grew = source.vocab_size > _source_vocab(source.model_dir)
+            model = adapters.apply(model, cfg, grew_vocab=grew)
+            # Trainable weights (adapters, resized embeddings) in fp32: the optimizer's
+            # master copy; the frozen base stays in the compute dtype.
+            for p in model.parameters():
+                if p.requires_grad and p.dtype != torch.float32:
+                    p.data = p.data.float()
+        if quant is None:
+            model.to(device)
+        self.hf = model
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            ids = [device.index] if device.type == "cuda" else None
+            self.model = DistributedDataParallel(model, device_ids=ids)
+        else:
+            self.model = model
+        self.optimizer = build_optimizer(cfg, model)
 
-    def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-        model.to(device)
-        if not self._distributed():
-            return model
-        ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
+    def precision(self) -> contextlib.AbstractContextManager:
+        return self._autocast
 
-    def unwrap(self, model: torch.nn.Module) -> Any:
-        return model.module if isinstance(model, DistributedDataParallel) else model
-
-    def build_optimizer(
-        self, model: torch.nn.Module, groups: list[dict[str, Any]], **kwargs: Any
-    ) -> torch.optim.Optimizer:
-        # foreach is the fast multi-tensor path on CPU and GPU; fused is CUDA-only.
-        fused = next(model.parameters()).device.type == "cuda"
-        return torch.optim.AdamW(groups, fused=fused, foreach=None if fused else True, **kwargs)
-
-    def no_sync(
-        self, model: torch.nn.Module, last_micro_step: bool
-    ) -> contextlib.AbstractContextManager:
-        if isinstance(model, DistributedDataParallel) and not last_micro_step:
-            return model.no_sync()
+    def accumulating(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
+        if isinstance(self.model, DistributedDataParallel) and not last_micro_step:
+            return self.model.no_sync()
         return contextlib.nullcontext()
 
-    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float | None) -> float:
-        params = [p for p in model.parameters() if p.grad is not None]
-        if max_norm is None:
-            norms = torch.stack([p.grad.detach().norm(2) for p in params])
-            return float(norms.norm(2))
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
 
-    def save(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        out: Path,
-        rank: int,
-        tokenizer: Any,
-    ) -> None:
+    def step(self) -> float:
+        self.scaler.unscale_(self.optimizer)
+        norm = clip_grad_norm(list(self.hf.parameters()), self.cfg.optim.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def evaluating(self) -> contextlib.AbstractContextManager:
+        return Evaluating(self.model)
+
+    def save_state(self, out: Path, rank: int) -> None:
         if rank != 0:
             return
-        hf = self.unwrap(model)
-        hf.save_pretrained(out / "model", safe_serialization=True)
+        if adapters.enabled(self.cfg):
+            weights: dict[str, Any] = adapters.trainable_state(self.hf)
+        else:
+            weights = self.hf.state_dict()
+        torch.save(weights, out / "model.pt")
+        torch.save(self.optimizer.state_dict(), out / "optimizer.pt")
+        torch.save(self.scaler.state_dict(), out / "scaler.pt")
+
+    def load_state(self, ckpt: Path, rank: int) -> None:
+        try:
+            weights = torch.load(ckpt / "model.pt", map_location="cpu", weights_only=True)
+            opt = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False)
+            scaler = torch.load(ckpt / "scaler.pt", map_location="cpu", weights_only=True)
+        except FileNotFoundError as exc:
+            raise CheckpointError(f"{ckpt}: {Path(exc.filename).name} is missing") from None
+        if adapters.enabled(self.cfg):
+            adapters.load_trainable(self.hf, weights, ckpt)
+        else:
+            missing, unexpected = self.hf.load_state_dict(weights, strict=False)
+            if missing or unexpected:
+                raise CheckpointError(
+                    f"{ckpt}/model.pt: weights do not match the model "
+                    f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+                )
+        self.optimizer.load_state_dict(opt)
+        self.scaler.load_state_dict(scaler)
+
+    def export(self, out: Path, rank: int, tokenizer: Any) -> bool:
+        if rank != 0:
+            return False
+        if adapters.enabled(self.cfg):
+            adapters.export(self.hf, out, tokenizer, self.cfg, self.source.model_dir)
+            return True
+        self.hf.save_pretrained(out / "model", safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(out / "model")
-        torch.save(optimizer.state_dict(), out / "optimizer.pt")
+        return True
 
-    def load(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ckpt: Path, rank: int
-    ) -> None:
-        hf = self.unwrap(model)
-        files = sorted((ckpt / "model").glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{ckpt}/model: no safetensors weights in the checkpoint")
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(str(f)))
-        missing, unexpected = hf.load_state_dict(state, strict=False)
-        # Tied embeddings are saved once; anything else missing is a broken checkpoint.
-        tied = set(getattr(hf, "_tied_weights_keys", None) or [])
-        if isinstance(getattr(hf, "_tied_weights_keys", None), dict):
-            tied = set(hf._tied_weights_keys)
-        missing = [k for k in missing if k not in tied]
-        if missing or unexpected:
-            raise CheckpointError(
-                f"{ckpt}/model: weights do not match the model "
-                f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
-            )
-        try:
-            opt_state = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            raise CheckpointError(f"{ckpt}: optimizer.pt is missing") from None
-        optimizer.load_state_dict(opt_state)
+
+def _source_vocab(model_dir: Path) -> int:
+    import json
+
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])

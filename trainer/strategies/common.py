@@ -1,0 +1,102 @@
+"""Pieces the torch-native strategies share: the optimizer, the precision context, the
+loss scaler (or its no-op stand-in), and clipping that also works on sharded grads."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from trainer.config import JobConfig
+from trainer.errors import UserError
+
+
+def build_optimizer(cfg: JobConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    from trainer.strategies import param_groups
+
+    o = cfg.optim
+    groups = param_groups(model, o.weight_decay)
+    kwargs: dict[str, Any] = {"lr": o.lr, "betas": o.betas, "eps": o.eps}
+    if o.name == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise UserError(
+                "optim.name adamw8bit: bitsandbytes is not installed (use the bnb image)"
+            ) from None
+        return bnb.optim.AdamW8bit(groups, **kwargs)
+    device = next(p.device for p in model.parameters())
+    # foreach is the fast multi-tensor path on CPU and GPU; fused is CUDA-only.
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(groups, fused=fused, foreach=None if fused else True, **kwargs)
+
+
+def autocast(cfg: JobConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """Computed once per strategy: autocast on GPUs in bf16/fp16, else a null context."""
+    if cfg.train.precision == "fp32" or device.type != "cuda":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float16
+    return torch.autocast(device_type="cuda", dtype=dtype)
+
+
+class NullScaler:
+    """What a GradScaler does when there is nothing to scale (fp32, bf16)."""
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def update(self) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def loss_scaler(cfg: JobConfig) -> Any:
+    if cfg.train.precision == "fp16":
+        return torch.amp.GradScaler("cuda")
+    return NullScaler()
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
+    """Clip to `max_norm` (no-op when None) and return the global norm. With DTensor grads
+    (FSDP2) the norm is a partial reduction; `full_tensor` completes it across ranks."""
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf"), foreach=True)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+class Evaluating:
+    """Eval mode + no grad, then back to train mode. The model stays in train mode outside
+    evaluation (bitsandbytes' 4-bit layers rewrite their weights in eval mode on some
+    CPUs; see trainer.adapters)."""
+
+    def __init__(self, model: torch.nn.Module, before: Any = None):
+        self.model = model
+        self.before = before
+        self._grad = torch.no_grad()
+
+    def __enter__(self) -> None:
+        self.was_training = self.model.training
+        if self.before is not None:
+            self.before()
+        self.model.eval()
+        self._grad.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._grad.__exit__(*exc)
+        self.model.train(self.was_training)
