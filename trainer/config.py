@@ -268,6 +268,13 @@ class JobConfig(_Section):
     @model_validator(mode="after")
     def _combinations(self) -> JobConfig:
         t, s = self.train, self.scaling
+        if isinstance(self.strategy, FSDPOptions):
+            if self.strategy.cpu_offload and not s.use_gpu:
+                raise ValueError(
+                    "strategy.cpu_offload: needs GPUs (on CPU the shards already live in RAM)"
+                )
+            if t.precision == "fp16":
+                raise ValueError("train.precision: fp16 is not supported with fsdp; use bf16")
         if self.model.adapter != "none" and self.strategy.name != "ddp":
             raise ValueError(
                 f"model.adapter: {self.model.adapter} composes with strategy ddp in this "
