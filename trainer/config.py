@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from trainer.errors import ConfigError
 
-STRATEGIES = ("ddp", "fsdp")
+STRATEGIES = ("ddp", "fsdp", "deepspeed")
 """Strategies this build of the trainer implements; `trainer.strategies` registers them."""
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -136,7 +136,20 @@ class FSDPOptions(_Section):
     )
 
 
-StrategyOptions = Annotated[DDPOptions | FSDPOptions, Field(discriminator="name")]
+class DeepSpeedOptions(_Section):
+    """DeepSpeed ZeRO-2/3 (with CPU/NVMe offload) from a stock DeepSpeed JSON."""
+
+    name: Literal["deepspeed"] = Field(description="DeepSpeed ZeRO through its engine.")
+    config: str = Field(
+        default="zero3",
+        description="Shipped config (zero2, zero3, zero3_offload) or a path to a DeepSpeed JSON; "
+        '"auto" values are filled from this job, contradicting ones are errors.',
+    )
+
+
+StrategyOptions = Annotated[
+    DDPOptions | FSDPOptions | DeepSpeedOptions, Field(discriminator="name")
+]
 
 
 class TrainSection(_Section):

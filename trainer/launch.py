@@ -146,6 +146,7 @@ def _worker_env() -> dict[str, str]:
         "HF_HUB_OFFLINE",
         "TRANSFORMERS_OFFLINE",
         "DS_ACCELERATOR",
+        "TORCH_EXTENSIONS_DIR",
     )
     return {k: os.environ[k] for k in keep if k in os.environ}
 

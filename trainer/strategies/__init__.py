@@ -79,6 +79,10 @@ def build_strategy(cfg: JobConfig, device: torch.device, rank: int, world_size: 
         from trainer.strategies.fsdp import FSDPStrategy
 
         return FSDPStrategy(cfg, device, world_size)
+    if name == "deepspeed":
+        from trainer.strategies.deepspeed import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(cfg, device, world_size)
     raise ValueError(f"strategy.name: unknown strategy {name!r}")
 
 

@@ -1,0 +1,153 @@
+"""DeepSpeed ZeRO-2 / ZeRO-3 (optionally offloading optimizer state and parameters to CPU
+or NVMe), configured from a stock DeepSpeed JSON whose "auto" values come from the job.
+
+The engine owns loss scaling, accumulation boundaries and clipping; this module only
+translates the loop's calls. ZeRO-3 models are built partitioned (transformers'
+`HfDeepSpeedConfig` makes `from_pretrained` load straight into `zero.Init`).
+
+Resume state (layout `deepspeed/1`): DeepSpeed's own checkpoint folder (`ds/`), one
+optimizer partition file per rank. The export gathers the 16-bit (compute-dtype) weights
+on rank 0 and saves a plain Hugging Face folder.
+
+On CPU (`DS_ACCELERATOR=cpu`, gloo) DeepSpeed JIT-compiles its C++ ops on first use
+(about 30 s each on 2 cores); `TORCH_EXTENSIONS_DIR` defaults to a cache shared by every
+process on the node, so the build is paid once per node, not per worker or per run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer import dsconfig
+from trainer.config import DeepSpeedOptions, JobConfig
+from trainer.errors import CheckpointError, UserError
+from trainer.model import load_model, model_config
+from trainer.strategies import ModelSource, param_groups
+from trainer.strategies.common import Evaluating
+
+EXTENSIONS_DIR = "/tmp/raylift/torch_extensions"
+TAG = "state"
+
+
+def prepare_environment(device: torch.device) -> None:
+    """Before deepspeed is imported: its accelerator and its JIT build cache."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)
+    Path(os.environ["TORCH_EXTENSIONS_DIR"]).mkdir(parents=True, exist_ok=True)
+
+
+class DeepSpeedStrategy:
+    name = "deepspeed"
+    layout = "deepspeed/1"
+
+    def __init__(self, cfg: JobConfig, device: torch.device, world_size: int):
+        assert isinstance(cfg.strategy, DeepSpeedOptions)
+        self.cfg = cfg
+        self.device = device
+        self.world_size = world_size
+        self._last = True
+        self.model: Any
+        self.optimizer: torch.optim.Optimizer
+
+    def setup(self, source: ModelSource) -> None:
+        prepare_environment(self.device)
+        try:
+            import deepspeed
+        except ImportError:
+            raise UserError(
+                "strategy deepspeed: the deepspeed package is not installed (use the trainer image)"
+            ) from None
+        cfg = self.cfg
+        # Adopt the process group Ray Train or torchrun made (gloo on CPU, nccl on GPU);
+        # ZeRO-3's partitioned init reads the world size from deepspeed.comm.
+        deepspeed.init_distributed(dist_backend=cfg.backend, auto_mpi_discovery=False)
+        raw, where = dsconfig.load(cfg.strategy.config)  # type: ignore[union-attr]
+        conf = model_config(source.model_dir, cfg, source.vocab_size)
+        ds = dsconfig.resolve(raw, cfg, where, hidden_size=int(conf.hidden_size))
+        self.stage = dsconfig.stage(ds)
+        self.ds_config = ds
+        if self.stage == 3:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            # Must stay alive while the model loads: from_pretrained reads it to partition.
+            self._hf_ds = HfDeepSpeedConfig(ds)
+        model = load_model(source.model_dir, cfg, source.vocab_size)
+        optimizer = None
+        if "optimizer" not in ds:
+            o = cfg.optim
+            optimizer = torch.optim.AdamW(
+                param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps
+            )
+        engine, ds_opt, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            model_parameters=param_groups(model, cfg.optim.weight_decay)
+            if optimizer is None
+            else None,
+            config=ds,
+            dist_init_required=False,
+        )
+        self.engine = engine
+        self.model = engine
+        # The LR scheduler drives the innermost torch optimizer's param groups, which the
+        # ZeRO wrapper reads at each step.
+        self.optimizer = getattr(ds_opt, "optimizer", ds_opt)
+
+    def precision(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the engine runs the model in bf16/fp16 itself
+
+    @contextlib.contextmanager
+    def accumulating(self, last_micro_step: bool) -> Any:
+        self._last = last_micro_step
+        yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # The loop already divided the loss by the number of micro steps.
+        self.engine.backward(loss, scale_wrt_gas=False)
+        if not self._last:
+            self.engine.step()  # DeepSpeed counts micro steps; it updates at the boundary
+
+    def step(self) -> float:
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def evaluating(self) -> contextlib.AbstractContextManager:
+        return Evaluating(self.engine)
+
+    def save_state(self, out: Path, rank: int) -> None:
+        self.engine.save_checkpoint(str(out / "ds"), tag=TAG, save_latest=False)
+
+    def load_state(self, ckpt: Path, rank: int) -> None:
+        if not (ckpt / "ds" / TAG).is_dir():
+            raise CheckpointError(f"{ckpt}/ds/{TAG}: no DeepSpeed checkpoint")
+        path, _ = self.engine.load_checkpoint(
+            str(ckpt / "ds"),
+            tag=TAG,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+        )
+        if path is None:
+            raise CheckpointError(
+                f"{ckpt}/ds: DeepSpeed could not load its checkpoint (a different world "
+                "size or ZeRO stage?); resume with the same num_workers and config"
+            )
+
+    def export(self, out: Path, rank: int, tokenizer: Any) -> bool:
+        module = self.engine.module
+        if self.stage == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()  # collective
+        else:
+            state = module.state_dict() if rank == 0 else None
+        if rank != 0:
+            return False
+        module.save_pretrained(out / "model", state_dict=state, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out / "model")
+        return True
