@@ -69,15 +69,10 @@ def _rank0_selector(cfg: JobConfig) -> list[dict[str, str]] | None:
 def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
     from trainer.loop import ray_worker
 
-    if cfg.backend == "ccl":
-        raise UserError(
-            "scaling.backend ccl runs under torchrun for now (Ray Train initialises the "
-            "process group before the oneCCL bindings can be imported); use gloo on Ray"
-        )
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
         if not address:
@@ -108,7 +103,7 @@ def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
         train_loop_config={"job": cfg.model_dump(mode="json"), "prepared": asdict(prep)},
         scaling_config=scaling,
         run_config=run_config,
-        torch_config=TorchConfig(backend=cfg.backend),
+        torch_config=torch_config(cfg),
     )
     result = trainer.fit()
     summary = {
@@ -128,6 +123,18 @@ def _export_uri(run: Any) -> str | None:
 
     loc = latest_export(run)
     return loc.uri if loc is not None else None
+
+
+def torch_config(cfg: JobConfig) -> Any:
+    """Ray Train's process-group setup; oneCCL needs its bindings imported and its
+    environment set on every worker before init_process_group (trainer.ccl)."""
+    from ray.train.torch import TorchConfig
+
+    if cfg.backend == "ccl":
+        from trainer.ccl import OneCCLConfig
+
+        return OneCCLConfig()
+    return TorchConfig(backend=cfg.backend)
 
 
 def _uri(run: Any, path: str) -> str:

@@ -111,5 +111,23 @@ def run_all(cfg: JobConfig, strict: bool = True) -> Report:
     check_data_file(cfg.data.train_file, "data.train_file", strict, cfg.data.on_bad_line, report)
     if cfg.data.eval_file:
         check_data_file(cfg.data.eval_file, "data.eval_file", strict, cfg.data.on_bad_line, report)
+    check_strategy(cfg, strict, report)
     check_storage(cfg)
     return report
+
+
+def check_strategy(cfg: JobConfig, strict: bool, report: Report) -> None:
+    """A DeepSpeed JSON is read and its "auto" values resolved against the job here, so a
+    contradiction is an error on the laptop, not on the cluster."""
+    if cfg.strategy.name != "deepspeed":
+        return
+    from trainer import dsconfig
+
+    name = cfg.strategy.config  # type: ignore[union-attr]
+    path = dsconfig.config_path(name)
+    if path.parent != dsconfig.SHIPPED and not _local_or_note(
+        str(path), "strategy.config", strict, report
+    ):
+        return
+    raw, where = dsconfig.load(name)
+    dsconfig.resolve(raw, cfg, where)

@@ -247,3 +247,71 @@ def test_qlora_build_keeps_4bit_layout_and_uses_nf4(tiny):
     qs = layers[0].weight.quant_state
     assert qs.quant_type == "nf4" and qs.nested
     assert isinstance(s.optimizer, bnb.optim.AdamW8bit)
+
+
+# ------------------------------------------------------------------ oneCCL on Ray
+
+_CCL_DRIVER = """
+import json, os, sys
+import ray
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+from trainer.ccl import OneCCLConfig
+
+def loop(config):
+    import torch.distributed as dist, ray.train
+    env = {k: os.environ.get(k) for k in ("FI_PROVIDER", "CCL_WORKER_COUNT", "CCL_LOCAL_RANK")}
+    env["bindings_loaded"] = "ccl_probe_bindings" in sys.modules
+    env["backend"] = dist.get_backend()
+    env["world"] = dist.get_world_size()
+    rank = ray.train.get_context().get_world_rank()
+    with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
+        json.dump(env, f)
+
+ray.init(address=os.environ["RAY_ADDRESS"])
+out = sys.argv[1]
+TorchTrainer(
+    loop,
+    train_loop_config={"out": out},
+    scaling_config=ScalingConfig(num_workers=2),
+    run_config=RunConfig(name="ccl-path", storage_path=out),
+    torch_config=OneCCLConfig(
+        backend="gloo",
+        bindings="ccl_probe_bindings",
+        env={"FI_PROVIDER": "tcp", "CCL_WORKER_COUNT": "1"},
+    ),
+).fit()
+"""
+
+
+def test_ccl_backend_config_prepares_every_worker_before_the_process_group(ray_cluster, tmp_path):
+    """The oneCCL BackendConfig through Ray Train with gloo substituted for ccl (torch 2.13
+    has no oneCCL binding; the ccl image runs the real one): every worker has the CCL/FI
+    environment and the bindings imported, and the process group comes up."""
+    import sys
+    import time
+
+    from tools.submit import client_for
+
+    (tmp_path / "ccl_probe_bindings.py").write_text("LOADED = True\n")
+    (tmp_path / "driver.py").write_text(_CCL_DRIVER)
+    client = client_for(ray_cluster.dashboard_url)
+    repo = str(Path(__file__).resolve().parents[2])
+    job_id = client.submit_job(
+        entrypoint=f"{sys.executable} driver.py {tmp_path}",
+        runtime_env={
+            "working_dir": str(tmp_path),
+            "env_vars": {"PYTHONPATH": f"{repo}:{tmp_path}"},
+        },
+    )
+    deadline = time.monotonic() + 300
+    while not client.get_job_status(job_id).is_terminal() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert str(client.get_job_status(job_id)).endswith("SUCCEEDED"), client.get_job_logs(job_id)[
+        -3000:
+    ]
+    for rank in (0, 1):
+        env = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert env["FI_PROVIDER"] == "tcp" and env["CCL_WORKER_COUNT"] == "1"
+        assert env["bindings_loaded"] and env["backend"] == "gloo" and env["world"] == 2
+        assert env["CCL_LOCAL_RANK"] is not None

@@ -1,0 +1,112 @@
+"""DeepSpeed JSON configs: "auto" values filled from the job, contradictions refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainer import dsconfig
+from trainer.config import load_config
+from trainer.errors import ConfigError
+
+JOB = {
+    "model": {"path": "/models/llama"},
+    "data": {"train_file": "/data/train.jsonl", "block_size": 128},
+    "strategy": {"name": "deepspeed", "config": "zero3"},
+    "train": {"micro_batch_size": 2, "grad_accum": 4, "max_steps": 10},
+    "optim": {"lr": 2e-5, "grad_clip": 0.5, "weight_decay": 0.1},
+    "scaling": {"num_workers": 4},
+    "run": {"name": "ds"},
+}
+
+# The Ray Llama-2 template's ZeRO-3 + CPU offload file, as users have it.
+STOCK_ZERO3 = {
+    "fp16": {"enabled": "auto"},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    },
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "gather_16bit_weights_on_model_save": True,
+        "round_robin_gradients": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 10,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+
+
+def cfg(**over):
+    return load_config(JOB, [f"{k}={v}" for k, v in over.items()])
+
+
+def test_stock_zero3_json_with_auto_values_is_filled_from_the_job():
+    ds = dsconfig.resolve(STOCK_ZERO3, cfg(), "zero3.json", hidden_size=64)
+    assert ds["train_micro_batch_size_per_gpu"] == 2
+    assert ds["gradient_accumulation_steps"] == 4
+    assert ds["train_batch_size"] == 2 * 4 * 4
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["bf16"]["enabled"] is False and ds["fp16"]["enabled"] is False
+    p = ds["optimizer"]["params"]
+    assert (p["lr"], p["betas"], p["eps"], p["weight_decay"]) == (2e-5, [0.9, 0.95], 1e-8, 0.1)
+    z = ds["zero_optimization"]
+    assert z["reduce_bucket_size"] == 64 * 64 and z["stage3_param_persistence_threshold"] == 640
+    assert "auto" not in json.dumps(ds)
+    assert STOCK_ZERO3["train_batch_size"] == "auto"  # the input is not modified
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "needle"),
+    [
+        (("train_micro_batch_size_per_gpu",), 8, "is 8 but the job has train.micro_batch_size"),
+        (("gradient_accumulation_steps",), 1, "train.grad_accum = 4"),
+        (("train_batch_size",), 64, "the global batch = 32"),
+        (("gradient_clipping",), 1.0, "optim.grad_clip = 0.5"),
+        (("optimizer", "params", "lr"), 1e-3, "optimizer.params.lr is 0.001 but the job has"),
+        (("bf16", "enabled"), True, "bf16.enabled is True"),
+    ],
+)
+def test_a_contradicting_value_is_an_error_naming_both(path, value, needle):
+    ds = json.loads(json.dumps(STOCK_ZERO3))
+    node = ds
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(ConfigError, match=r"zero3\.json: ") as exc:
+        dsconfig.resolve(ds, cfg(), "zero3.json")
+    assert needle in str(exc.value)
+
+
+def test_an_agreeing_value_is_fine_and_a_scheduler_block_is_refused():
+    ds = json.loads(json.dumps(STOCK_ZERO3))
+    ds["train_micro_batch_size_per_gpu"] = 2
+    ds["optimizer"]["params"]["lr"] = 2e-5
+    assert dsconfig.resolve(ds, cfg(), "x.json")["train_micro_batch_size_per_gpu"] == 2
+    ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}
+    with pytest.raises(ConfigError, match="remove the scheduler block"):
+        dsconfig.resolve(ds, cfg(), "x.json")
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3", "zero3_offload"])
+def test_shipped_configs_resolve(name):
+    raw, where = dsconfig.load(name)
+    ds = dsconfig.resolve(raw, cfg(**{"strategy.config": name}), where, hidden_size=32)
+    assert dsconfig.stage(ds) == (2 if name == "zero2" else 3)
+    assert "auto" not in json.dumps(ds)
+
+
+def test_unknown_shipped_name():
+    with pytest.raises(ConfigError, match="'zero9' is not a shipped config"):
+        dsconfig.load("zero9")
