@@ -101,34 +101,55 @@ def test_fsdp_gradients_equal_ddp_on_one_batch(tiny, tmp_path):
 # ------------------------------------------------------------------ FSDP
 
 
-def test_fsdp_matches_ddp_resumes_on_one_worker_and_exports(ray_cluster, job):
-    """DDP and FSDP from the same seed agree step by step; the FSDP run stops at 6 on two
-    workers, resumes on one (same global batch: grad_accum 2; DCP reshards), and its
-    gathered export reproduces the trained model's logits with plain transformers."""
+@pytest.fixture(scope="module")
+def ddp_reference(ray_cluster, tiny, tmp_path_factory):
+    """The loss curve of a straight 12-step DDP run: every full-weight strategy trained
+    from the same seed on the same data must reproduce it."""
+    import copy
+
+    import yaml
+
+    from tests.conftest import base_job
+
+    root = tmp_path_factory.mktemp("ref")
+    path = root / "ref.yaml"
+    path.write_text(yaml.safe_dump(copy.deepcopy(base_job(tiny, root / "runs", "ref-ddp"))))
+    cfg, _, _ = run_to_end(ray_cluster, path)
+    return _losses(history(cfg)[1])
+
+
+def _stop_resume_export(ray_cluster, path, reference, resume_overrides=()):
+    """Stop at step 6, resume to 12 (a fresh submission), then check the lineage, the
+    loss curve against the reference, and that the export reproduces the trained logits."""
     from transformers import AutoModelForCausalLM
 
-    cfg_ddp, _, _ = run_to_end(ray_cluster, job("ref-ddp"))
-    path = job("fsdp", strategy={"name": "fsdp"})
     run_to_end(ray_cluster, path, ["train.stop_at_step=6"])
-    cfg, summary, _ = run_to_end(ray_cluster, path, ["scaling.num_workers=1", "train.grad_accum=2"])
-
+    cfg, summary, _ = run_to_end(ray_cluster, path, list(resume_overrides))
     records, steps, wasted = history(cfg)
     assert [r["from_step"] for r in records if r.get("event") == "resume"] == [6]
     assert [r["step"] for r in steps] == list(range(1, 13)) and wasted == 0
-    _, ref, _ = history(cfg_ddp)
-    for a, b in zip(ref, steps, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], abs=LOSS_TOL), a["step"]
+    for step, (want, got) in enumerate(zip(reference, _losses(steps), strict=True), start=1):
+        assert got == pytest.approx(want, abs=LOSS_TOL), step
     _lowered(steps, 0.5)
-
     run_dir = Path(cfg.storage.path) / cfg.run.name
-    state = json.loads((run_dir / "step_00000012" / "trainer_state.json").read_text())
-    assert (state["strategy"], state["layout"], state["world_size"]) == ("fsdp", "dcp/1", 1)
-    assert (run_dir / "step_00000008" / "strategy" / "dcp" / ".metadata").exists()
-    export = Path(summary["export"]) / "model"
-    model = AutoModelForCausalLM.from_pretrained(export)
+    model = AutoModelForCausalLM.from_pretrained(Path(summary["export"]) / "model")
     assert model.config.architectures == ["LlamaForCausalLM"]
     got, want = _probe_logits(model, run_dir)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    return cfg, run_dir
+
+
+def test_fsdp_matches_ddp_resumes_on_one_worker_and_exports(ray_cluster, job, ddp_reference):
+    """FSDP from the same seed agrees with DDP step by step; it stops at 6 on two workers
+    and resumes on one (same global batch: grad_accum 2; DCP reshards); its gathered
+    export reproduces the trained model's logits with plain transformers."""
+    path = job("fsdp", strategy={"name": "fsdp"})
+    _, run_dir = _stop_resume_export(
+        ray_cluster, path, ddp_reference, ["scaling.num_workers=1", "train.grad_accum=2"]
+    )
+    state = json.loads((run_dir / "step_00000012" / "trainer_state.json").read_text())
+    assert (state["strategy"], state["layout"], state["world_size"]) == ("fsdp", "dcp/1", 1)
+    assert (run_dir / "step_00000008" / "strategy" / "dcp" / ".metadata").exists()
 
     # The same run name under another strategy is refused, naming both.
     _, client, job_id = launch(
@@ -138,6 +159,18 @@ def test_fsdp_matches_ddp_resumes_on_one_worker_and_exports(ray_cluster, job):
     logs = client.get_job_logs(job_id)
     assert status == "FAILED"
     assert "written by strategy fsdp (layout dcp/1), this job uses ddp" in logs
+
+
+@pytest.mark.parametrize("config", ["zero2", "zero3", "zero3_offload"])
+def test_deepspeed_stop_resume_export(ray_cluster, job, ddp_reference, config):
+    """ZeRO-2, ZeRO-3 and ZeRO-3 with CPU optimizer/parameter offload, from the shipped
+    stock JSON files with "auto" values: same curve as DDP, exact resume from DeepSpeed's
+    own checkpoint, and a gathered 16-bit export that reproduces the logits."""
+    path = job(f"ds-{config}", strategy={"name": "deepspeed", "config": config})
+    _, run_dir = _stop_resume_export(ray_cluster, path, ddp_reference)
+    state = json.loads((run_dir / "step_00000012" / "trainer_state.json").read_text())
+    assert (state["strategy"], state["layout"]) == ("deepspeed", "deepspeed/1")
+    assert (run_dir / "step_00000012" / "strategy" / "ds" / "state").is_dir()
 
 
 # ------------------------------------------------------------------ LoRA / QLoRA
