@@ -168,4 +168,5 @@ def load_model(
 
 
 def count_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+    # ZeRO-3 partitions leave empty tensors; ds_numel is the full size.
+    return sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters())
