@@ -137,6 +137,11 @@ class ScalingSection(_Section):
 class CheckpointSection(_Section):
     every_steps: int | None = Field(default=None, ge=1, description="null = only at the end.")
     keep_last: int = Field(default=3, ge=1, description="Complete checkpoints kept; older pruned.")
+    allow_restart_from_scratch: bool = Field(
+        default=False,
+        description="If the run folder holds only torn checkpoints, train from step 0 "
+        "(with a warning) instead of stopping with an error that names them.",
+    )
 
 
 class StorageSection(_Section):

@@ -61,6 +61,7 @@ class Runtime:
     world_size: int
     local_rank: int
     run: Location
+    allow_scratch: bool = False
     node_labels: dict[str, str] = {}  # noqa: RUF012 - replaced per instance
 
     def latest_checkpoint(self) -> Path | None:
@@ -91,7 +92,7 @@ class Runtime:
         self._fetched = []
 
     def _from_storage(self) -> Path | None:
-        loc = ckpt_mod.find_latest(self.run)
+        loc = ckpt_mod.find_latest(self.run, self.allow_scratch)
         return self._fetch(loc) if loc is not None else None
 
 
@@ -106,28 +107,35 @@ class RayRuntime(Runtime):
         self.world_size = ctx.get_world_size()
         self.local_rank = ctx.get_local_rank()
         self.run = run_location(cfg)
+        self.allow_scratch = cfg.checkpoint.allow_restart_from_scratch
         self.node_labels = dict(ray.get_runtime_context().get_node_labels())
 
     def latest_checkpoint(self) -> Path | None:
+        """The newer of Ray's registered checkpoint and the newest complete one in
+        storage. Ray registers a checkpoint only when its controller next polls the
+        workers (every ~2 s), so a worker killed just after every rank finished uploading
+        leaves a complete checkpoint that Ray does not know yet: resuming from Ray's
+        would retrain a whole interval for nothing."""
         import ray.train
 
+        newest = ckpt_mod.find_latest(self.run, self.allow_scratch)
         reported = ray.train.get_checkpoint()
-        if reported is None:
-            # A fresh submission of an existing run: Ray restores its own checkpoint index
-            # from storage, and when that is absent we still find the newest complete one.
-            return self._from_storage()
-        loc = Location(
-            reported.filesystem,
-            reported.path,
-            ("s3://" + reported.path) if self.run.is_s3 else reported.path,
-        )
-        state, why = ckpt_mod.completeness(loc)
-        if state is None:
-            raise ckpt_mod.CheckpointError(
-                f"{loc.uri}: Ray's latest checkpoint is incomplete ({why}); refusing to "
-                "train from scratch over it"
+        if reported is not None:
+            loc = Location(
+                reported.filesystem,
+                reported.path,
+                ("s3://" + reported.path) if self.run.is_s3 else reported.path,
             )
-        return self._fetch(loc)
+            state, why = ckpt_mod.completeness(loc)
+            if state is None:
+                raise ckpt_mod.CheckpointError(
+                    f"{loc.uri}: Ray's latest checkpoint is incomplete ({why}); refusing to "
+                    "train from scratch over it"
+                )
+            if newest is None or ckpt_mod.step_of(newest) <= ckpt_mod.step_of(loc):
+                return self._fetch(loc)
+            log.info("resuming from %s, newer than Ray's registered %s", newest.uri, loc.uri)
+        return self._fetch(newest) if newest is not None else None
 
     def report(self, metrics: dict[str, Any], step: int, ckpt_dir: Path | None) -> None:
         import ray.train
