@@ -183,6 +183,7 @@ def report(
     out_dir: Path = OUT,
 ) -> dict[str, Any]:
     """Write the JSON and the plot, print the verdicts, then raise if a target was missed."""
+    __tracebackhide__ = True  # pytest: show the verdicts, not this function's source
     if not rounds:
         raise ValueError(f"{name}: no rounds were run")
     per_command = summarize(rounds)
@@ -255,14 +256,21 @@ def plot(result: Mapping[str, Any], metric: str, unit: str, path: Path) -> Path:
         ax.bar(x, s["median"], color="tab:blue" if x == 0 else "tab:gray", alpha=0.7)
         ax.plot([x] * s["n"], s["values"], "k.", markersize=6)
     ax.set_xticks(range(len(cmds)), cmds, rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel(f"{metric} {unit}".strip())
+    ax.set_ylabel(f"{metric} ({unit})" if unit else metric)
     ax.set_title(f"{result['name']} ({result['repeats']} rounds)", fontsize=9)
     for ax, check in zip(axes[1:], checks, strict=True):
         colour = {"PASS": "tab:green", "MISS": "tab:red"}.get(check["verdict"], "tab:gray")
         ax.plot(range(1, check["n"] + 1), check["values"], "o", color=colour)
         ax.axhline(check["median"], color=colour, label="median")
         if check["target"] is not None:
-            ax.axhline(check["target"], color="k", linestyle="--", label="target")
+            op = "≥" if check["higher_is_better"] else "≤"
+            ax.axhline(
+                check["target"],
+                color="k",
+                linestyle="--",
+                label=f"target {op} {fmt(check['target'])}",
+            )
+        ax.set_xticks(range(1, check["n"] + 1))
         ax.set_xlabel("round")
         ax.set_ylabel(f"{check['name']} {check['unit']}".strip())
         ax.set_title(f"{check['name']}: {fmt(check['median'])} {check['verdict']}", fontsize=9)
@@ -286,6 +294,7 @@ def run_benchmark(
     out_dir: Path = OUT,
 ) -> dict[str, Any]:
     """Interleave the commands for `rounds` (default: RAYLIFT_BENCH_REPEATS) and report."""
+    __tracebackhide__ = True
     done = interleave(commands, repeats() if rounds is None else rounds)
     return report(
         name, done, checks, title=title, metric=metric, unit=unit, setup=setup, out_dir=out_dir
