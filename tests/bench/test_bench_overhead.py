@@ -18,7 +18,6 @@ RAYLIFT_BENCH_REPEATS the rounds.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import yaml
@@ -48,22 +47,6 @@ def _steady_tps(records: list[dict]) -> float:
     steady = steps[len(steps) // 5 :]
     tokens = steady[-1]["tokens_seen"] - steady[0]["tokens_seen"]
     return tokens / (steady[-1]["time"] - steady[0]["time"])
-
-
-def _submit(cfg, cluster, tries: int = 10, pause: float = 3.0):
-    """Submit, retrying only Ray's transient "No available agent" 500 (the job agent
-    registers after the Jobs API answers; issue 7). Bounded; drop once tools.submit
-    retries it itself."""
-    from tools import submit
-
-    for attempt in range(tries):
-        try:
-            return submit.submit(cfg, cluster.dashboard_url, token=cluster.token)
-        except RuntimeError as exc:
-            if "No available agent" not in str(exc) or attempt == tries - 1:
-                raise
-            time.sleep(pause)
-    raise AssertionError("unreachable")
 
 
 def _ratio(raylift: str):
@@ -122,7 +105,7 @@ def test_trainer_overhead(tmp_path):
 
         def raylift_ray(i: int) -> dict[str, float]:
             cfg = load_config(path, [f"run.name=ray-{i}"])
-            client, job_id = _submit(cfg, cluster)
+            client, job_id = submit.submit(cfg, cluster.dashboard_url, token=cluster.token)
             status, _ = submit.follow(client, job_id, progress=False)
             assert status == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]
             return {"tokens_per_s": tps(f"ray-{i}")}
