@@ -37,11 +37,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _short_temp_root() -> str:
+    """The session folder lives under TMPDIR (so a fresh TMPDIR means a fresh cluster), but
+    Ray's unix socket paths inside it must stay under 107 bytes: fall back to /tmp when
+    TMPDIR is deep."""
+    root = tempfile.gettempdir()
+    return root if len(root) <= 40 else "/tmp"
+
+
 class LocalCluster:
     def __init__(self, num_cpus: int = 2, head_labels: dict[str, str] | None = None):
         self.num_cpus = num_cpus
         self.head_labels = dict(head_labels or {})
         self.token = secrets.token_hex(32)
+        self.root: Path | None = None
         self.temp_dir: Path | None = None
         self.dashboard_port = 0
         self._cluster: Any = None
@@ -57,8 +66,8 @@ class LocalCluster:
 
     @property
     def token_path(self) -> Path:
-        assert self.temp_dir is not None
-        return self.temp_dir / "auth_token"
+        assert self.root is not None
+        return self.root / "auth_token"
 
     @property
     def auth_headers(self) -> dict[str, str]:
@@ -82,6 +91,12 @@ class LocalCluster:
             "GLOO_SOCKET_IFNAME": "lo",
             # Jobs run `python -m trainer`: make that this interpreter.
             "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
+            # The cluster writes its address to `<RAY_TMPDIR>/ray/ray_current_cluster`,
+            # and the job supervisor reads it from `<node temp_dir>/ray_current_cluster`
+            # to give each job driver its GCS address. With both pointing at this
+            # cluster's own folder, a driver always finds its own cluster (never another
+            # one running on the machine, never a stale file an earlier run left).
+            "RAY_TMPDIR": str(self.root),
         }
         for key, value in env.items():
             self._saved_env.setdefault(key, os.environ.get(key))
@@ -107,8 +122,9 @@ class LocalCluster:
     def start(self, timeout: float = 180.0) -> LocalCluster:
         from ray.cluster_utils import Cluster
 
-        # Ray's socket paths must stay short: keep the session dir directly under /tmp.
-        self.temp_dir = Path(tempfile.mkdtemp(prefix="rl-", dir="/tmp"))
+        self.root = Path(tempfile.mkdtemp(prefix="rl-", dir=_short_temp_root()))
+        self.temp_dir = self.root / "ray"
+        self.temp_dir.mkdir()
         self.token_path.write_text(self.token)
         self.token_path.chmod(0o600)
         self._set_env()
@@ -122,6 +138,10 @@ class LocalCluster:
                     "include_dashboard": True,
                     "dashboard_host": HOST,
                     "dashboard_port": self.dashboard_port,
+                    # The head's agent would take Ray's fixed default port (52365); a
+                    # second cluster on the machine (a test beside `make demo`, two users)
+                    # then never gets its job agent, and no job can be submitted.
+                    "dashboard_agent_listen_port": free_port(),
                     "temp_dir": str(self.temp_dir),
                     "labels": self.head_labels,
                     "object_store_memory": 256 * 1024 * 1024,
@@ -154,19 +174,61 @@ class LocalCluster:
             return json.loads(r.read() or b"null")
 
     def wait_ready(self, timeout: float) -> None:
-        """Poll the Jobs API (with the token) until it answers."""
+        """Ready means a job can really be submitted: the Jobs API answers (with the
+        token) and the head node's job agent has registered and answers too. The Jobs API
+        comes up first; a submit before the agent registers fails with "No available
+        agent to submit job" once the dashboard's own 10 s wait runs out."""
         deadline = time.monotonic() + timeout
-        last: Exception | None = None
+        last: Exception | str | None = None
         while time.monotonic() < deadline:
             try:
                 self._get("/api/jobs/")
-                return
+                agent = self._job_agent_url()
+                if agent is None:
+                    last = "the head node's job agent has not registered yet"
+                elif self._answers(agent):
+                    return
+                else:
+                    last = f"the job agent at {agent} does not answer yet"
             except (urllib.error.URLError, OSError, ValueError) as exc:
                 last = exc
             time.sleep(0.3)
         raise TimeoutError(
             f"Ray Jobs API at {self.dashboard_url} not ready after {timeout:.0f}s: {last}"
         )
+
+    def _job_agent_url(self) -> str | None:
+        """The head's job agent address, as the dashboard itself looks it up in the GCS."""
+        from ray._private import ray_constants
+        from ray.dashboard import consts
+
+        gcs = self._cluster.head_node.get_gcs_client()
+        node_id = gcs.internal_kv_get(
+            ray_constants.KV_HEAD_NODE_ID_KEY, namespace=ray_constants.KV_NAMESPACE_JOB
+        )
+        if not node_id:
+            return None
+        info = gcs.internal_kv_get(
+            f"{consts.DASHBOARD_AGENT_ADDR_NODE_ID_PREFIX}{node_id.decode()}".encode(),
+            namespace=ray_constants.KV_NAMESPACE_DASHBOARD,
+        )
+        if not info:
+            return None
+        ip, http_port, _grpc = json.loads(info.decode())
+        return f"http://{ip}:{http_port}"
+
+    def _answers(self, url: str) -> bool:
+        """Any HTTP answer (even 404 for a job that does not exist) means it is serving."""
+        req = urllib.request.Request(
+            url + "/api/job_agent/jobs/raylift-readiness-probe/logs", headers=self.auth_headers
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=3):
+                return True
+        except urllib.error.HTTPError:
+            return True
+        except (urllib.error.URLError, OSError):
+            return False
 
     def wait_nodes(self, count: int, timeout: float = 120.0) -> None:
         """Block until `count` nodes are alive (the dashboard's node list)."""
@@ -191,16 +253,16 @@ class LocalCluster:
                 self._cluster = None
         self._kill_leftovers()
         self._restore_env()
-        if self.temp_dir is not None:
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     def _kill_leftovers(self) -> None:
         """Job drivers and workers that outlived their raylet still name our session dir."""
-        if self.temp_dir is None:
+        if self.root is None:
             return
         import psutil
 
-        mark = str(self.temp_dir)
+        mark = str(self.root)
         for p in psutil.process_iter(["cmdline"]):
             if p.pid != os.getpid() and mark in " ".join(p.info.get("cmdline") or []):
                 with contextlib.suppress(psutil.Error):

@@ -77,19 +77,64 @@ def submit(
     cfg: JobConfig, address: str, env_vars: dict[str, str] | None = None, token: str | None = None
 ) -> tuple[Any, str]:
     client = client_for(address, token)
-    workdir = Path(tempfile.mkdtemp(prefix="raylift-submit-"))
-    (workdir / "job.yaml").write_text(cfg.to_yaml())
     env = {"PYTHONUNBUFFERED": "1", **(env_vars or {})}
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "RAYLIFT_DEBUG"):
         if key in os.environ and is_local(address):
             env.setdefault(key, os.environ[key])
-    job_id = client.submit_job(
-        entrypoint="python -m trainer run job.yaml",
-        runtime_env={"working_dir": str(workdir), "env_vars": env},
-        submission_id=f"raylift-{cfg.run.name}-{int(time.time())}",
-        metadata={"raylift_run": cfg.run.name},
-    )
+    # The folder is packaged and uploaded during the submit call; nothing reads it after.
+    with tempfile.TemporaryDirectory(prefix="raylift-submit-") as workdir:
+        (Path(workdir) / "job.yaml").write_text(cfg.to_yaml())
+        job_id = _submit_with_retry(
+            client,
+            entrypoint="python -m trainer run job.yaml",
+            runtime_env={"working_dir": workdir, "env_vars": env},
+            submission_id=f"raylift-{cfg.run.name}-{int(time.time())}",
+            metadata={"raylift_run": cfg.run.name},
+        )
     return client, job_id
+
+
+AGENT_NOT_READY = "No available agent to submit job"
+SUBMIT_RETRY_S = 90.0
+"""How long a submit keeps retrying while the head's job agent is not up yet (a cluster
+that just started, or a head that was just replaced)."""
+
+
+class AgentNotReady(ConnectionError):
+    """The Jobs API answered, but the head node's job agent never became available."""
+
+
+def _submit_with_retry(client: Any, **kwargs: Any) -> str:
+    """Submit, retrying only the one transient answer a starting head gives; every other
+    error is final at once."""
+    from tenacity import (
+        RetryError,
+        Retrying,
+        retry_if_exception,
+        stop_after_delay,
+        wait_exponential,
+    )
+
+    def transient(exc: BaseException) -> bool:
+        return isinstance(exc, RuntimeError) and AGENT_NOT_READY in str(exc)
+
+    def note(state: Any) -> None:
+        log.info("the cluster's job agent is not up yet; retrying the submit …")
+
+    retrying = Retrying(
+        retry=retry_if_exception(transient),
+        stop=stop_after_delay(SUBMIT_RETRY_S),
+        wait=wait_exponential(multiplier=1, max=10),
+        before_sleep=note,
+    )
+    try:
+        return retrying(client.submit_job, **kwargs)
+    except RetryError:
+        raise AgentNotReady(
+            f"the head node's job agent did not become available in {SUBMIT_RETRY_S:.0f}s "
+            "(the Jobs API answers with 'No available agent'); check the head node's "
+            "dashboard_agent.log"
+        ) from None
 
 
 async def _follow(client: Any, job_id: str, progress: bool) -> dict[str, Any] | None:
@@ -160,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
+    from ray.exceptions import AuthenticationError
+
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
@@ -181,6 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConnectionError as exc:
         print(f"error: cannot reach the Ray Jobs API at {args.address}: {exc}", file=sys.stderr)
         return 2
+    except AuthenticationError as exc:
+        print(
+            f"error: the Ray cluster at {args.address} refused the token "
+            f"({str(exc).splitlines()[0]}); set RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH to "
+            "the cluster's token",
+            file=sys.stderr,
+        )
+        return 2
     print(f"submitted job {job_id} to {args.address}", flush=True)
     if args.no_follow:
         return 0
@@ -188,7 +243,31 @@ def main(argv: list[str] | None = None) -> int:
     if summary:
         print("RAYLIFT_SUMMARY " + json.dumps(summary), flush=True)
     print(f"job {job_id}: {status}", flush=True)
-    return 0 if status == "SUCCEEDED" else 1
+    if status == "SUCCEEDED":
+        return 0
+    for line in failure_lines(client, job_id, status):
+        print(line, file=sys.stderr)
+    return 1
+
+
+def failure_lines(client: Any, job_id: str, status: str, tail: int = 20) -> list[str]:
+    """Why a job did not succeed: Ray's own message, and the end of the job's log (the
+    trainer's one-line `error: …` is the last thing a failed job prints)."""
+    lines = [f"error: job {job_id} {status}"]
+    try:
+        message = client.get_job_info(job_id).message
+    except RuntimeError:
+        message = None
+    if message:
+        lines.append(f"  ray: {message.strip().splitlines()[-1]}")
+    try:
+        logs = client.get_job_logs(job_id).rstrip().splitlines()
+    except RuntimeError:
+        logs = []
+    if logs:
+        lines.append(f"  last {min(tail, len(logs))} lines of the job's log:")
+        lines += [f"  | {x}" for x in logs[-tail:]]
+    return lines
 
 
 if __name__ == "__main__":

@@ -133,10 +133,14 @@ def list_checkpoints(run: Location) -> list[tuple[int, Location]]:
     return sorted(found, key=lambda x: x[0])
 
 
-def find_latest(run: Location, allow_restart_from_scratch: bool = False) -> Location | None:
+def find_latest(run: Location, allow_scratch: bool = False) -> Location | None:
     """The newest complete checkpoint of a run; torn ones are reported and passed over.
-    When there are checkpoints and none is complete, that is an error naming them (a run
-    that silently starts over would overwrite its own history), unless explicitly allowed."""
+
+    A run folder that holds checkpoints of which none is complete is an error, never a
+    silent start from scratch (which would overwrite the run's history with a new model):
+    the message names the torn folders. `allow_scratch` (the config's
+    checkpoint.allow_restart_from_scratch) turns that into a warning.
+    """
     torn = []
     for _step, loc in reversed(list_checkpoints(run)):
         state, why = completeness(loc)
@@ -144,14 +148,22 @@ def find_latest(run: Location, allow_restart_from_scratch: bool = False) -> Loca
             return loc
         log.warning("checkpoint %s is incomplete (%s); using an earlier one", loc.uri, why)
         torn.append(f"{loc.uri} ({why})")
-    if torn and not allow_restart_from_scratch:
+    if torn and not allow_scratch:
         raise CheckpointError(
-            f"{run.uri}: none of its checkpoints is complete: {'; '.join(torn)}; "
-            "delete them or set checkpoint.allow_restart_from_scratch: true to start over"
+            f"{run.uri}: no complete checkpoint to resume from, only torn ones: "
+            f"{'; '.join(torn)}. Delete them, or set "
+            "checkpoint.allow_restart_from_scratch: true to train from step 0"
         )
     if torn:
-        log.warning("no complete checkpoint in %s; starting over (allowed by config)", run.uri)
+        log.warning("%s: every checkpoint is torn; training from scratch as allowed", run.uri)
     return None
+
+
+def step_of(loc: Location) -> int:
+    m = _STEP_DIR.match(loc.path.rstrip("/").rsplit("/", 1)[-1])
+    if not m:
+        raise CheckpointError(f"{loc.uri}: not a step_<N> checkpoint folder")
+    return int(m.group(1))
 
 
 def prune(run: Location, keep_last: int) -> None:

@@ -218,8 +218,8 @@ class CheckpointSection(_Section):
     )
     allow_restart_from_scratch: bool = Field(
         default=False,
-        description="When the run folder holds checkpoints but none is complete, start over "
-        "instead of stopping with an error naming them.",
+        description="If the run folder holds only torn checkpoints, train from step 0 "
+        "(with a warning) instead of stopping with an error that names them.",
     )
 
 

@@ -164,7 +164,7 @@ def launch_torchrun(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
 
     last = torchrun_worker(cfg, prep)
     run = run_location(cfg)
-    latest = find_latest(run, allow_restart_from_scratch=True)
+    latest = find_latest(run, allow_scratch=True)
     summary = {
         "run": cfg.run.name,
         "storage": run.uri,

@@ -40,3 +40,17 @@ def setup_logging(debug: bool = False, ray_worker: bool = False) -> None:
         pass
     for noisy in ("urllib3", "filelock", "httpx", "botocore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if ray_worker:
+        _quiet_ray_train_reports()
+
+
+def _quiet_ray_train_reports() -> None:
+    """Ray Train V2 logs every `ray.train.report` of every rank at INFO ("Reporting
+    training result N: …", the whole metrics dict). The loop's own step line already says
+    it once, so keep only Ray's warnings from that module. (Its logger is named after its
+    file path, so it is found through the module.)"""
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:
+        return
+    context.logger.setLevel(logging.WARNING)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,9 @@ from trainer.errors import DeviceError, UserError
 
 log = logging.getLogger(__name__)
 
-MODEL_CACHE = Path(os.environ.get("RAYLIFT_MODEL_CACHE", "/tmp/raylift/models"))
+MODEL_CACHE = Path(
+    os.environ.get("RAYLIFT_MODEL_CACHE", Path(tempfile.gettempdir()) / "raylift" / "models")
+)
 
 
 def local_model_dir(cfg: JobConfig) -> Path:

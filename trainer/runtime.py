@@ -61,6 +61,7 @@ class Runtime:
     world_size: int
     local_rank: int
     run: Location
+    allow_scratch: bool = False
     node_labels: dict[str, str] = {}  # noqa: RUF012 - replaced per instance
 
     def latest_checkpoint(self) -> Path | None:
@@ -90,10 +91,8 @@ class Runtime:
             shutil.rmtree(path, ignore_errors=True)
         self._fetched = []
 
-    allow_restart_from_scratch: bool = False
-
     def _from_storage(self) -> Path | None:
-        loc = ckpt_mod.find_latest(self.run, self.allow_restart_from_scratch)
+        loc = ckpt_mod.find_latest(self.run, self.allow_scratch)
         return self._fetch(loc) if loc is not None else None
 
 
@@ -108,15 +107,18 @@ class RayRuntime(Runtime):
         self.world_size = ctx.get_world_size()
         self.local_rank = ctx.get_local_rank()
         self.run = run_location(cfg)
+        self.allow_scratch = cfg.checkpoint.allow_restart_from_scratch
         self.node_labels = dict(ray.get_runtime_context().get_node_labels())
-        self.allow_restart_from_scratch = cfg.checkpoint.allow_restart_from_scratch
 
     def latest_checkpoint(self) -> Path | None:
-        """The newest complete checkpoint in storage. Ray's own latest is checked too (it
-        must be complete), but a newer complete one in storage wins: the controller may
-        have died before it registered the last upload."""
+        """The newer of Ray's registered checkpoint and the newest complete one in
+        storage. Ray registers a checkpoint only when its controller next polls the
+        workers (every ~2 s), so a worker killed just after every rank finished uploading
+        leaves a complete checkpoint that Ray does not know yet: resuming from Ray's
+        would retrain a whole interval for nothing."""
         import ray.train
 
+        newest = ckpt_mod.find_latest(self.run, self.allow_scratch)
         reported = ray.train.get_checkpoint()
         if reported is not None:
             loc = Location(
@@ -130,7 +132,10 @@ class RayRuntime(Runtime):
                     f"{loc.uri}: Ray's latest checkpoint is incomplete ({why}); refusing to "
                     "train from scratch over it"
                 )
-        return self._from_storage()
+            if newest is None or ckpt_mod.step_of(newest) <= ckpt_mod.step_of(loc):
+                return self._fetch(loc)
+            log.info("resuming from %s, newer than Ray's registered %s", newest.uri, loc.uri)
+        return self._fetch(newest) if newest is not None else None
 
     def report(self, metrics: dict[str, Any], step: int, ckpt_dir: Path | None) -> None:
         import ray.train
@@ -156,7 +161,7 @@ class TorchrunRuntime(Runtime):
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.keep_last = cfg.checkpoint.keep_last
         self.run = run_location(cfg)
-        self.allow_restart_from_scratch = cfg.checkpoint.allow_restart_from_scratch
+        self.allow_scratch = cfg.checkpoint.allow_restart_from_scratch
         if self.world_size > 1:
             init_process_group(backend)
 

@@ -102,6 +102,7 @@ def download_dir(loc: Location, dest: Path) -> Path:
         if marker.exists():
             return dest
         dest.mkdir(parents=True, exist_ok=True)
+        log.info("downloading %s to %s (once for this node)", loc.uri, dest)
         try:
             pafs.copy_files(
                 loc.path,

@@ -1,24 +1,31 @@
 """Data pipeline: tokenize + pack throughput and peak RSS of Raylift's streaming
 tokenizer against Hugging Face `datasets` map + group_texts (transformers' run_clm
 recipe, with its default of one process and with num_proc=2), on the same generated
-corpus of ≥ 200 MB. Targets: ≥ 3× the throughput, and a
-peak RSS that does not grow with corpus size (Raylift is also run on a quarter of it).
+corpus (200 MB by default). Targets: ≥ 3× the throughput of run_clm's default, and a peak
+RSS that does not grow with corpus size (Raylift is also run on a quarter of the corpus:
+peak RSS on the full one ≤ 1.25× that).
 
-Each pipeline runs in its own process, so peak RSS is that process's own high-water mark.
+Each pipeline runs in its own process, so peak RSS is that process's own high-water mark,
+and in a fresh work folder, so no run reuses an earlier run's cache. The four commands run
+interleaved, and each figure is taken within a round.
+
+Sizes: RAYLIFT_BENCH_DATA_MB (corpus size), RAYLIFT_BENCH_REPEATS (rounds).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.bench.benchutil import bar_chart, write_result
+from tests.bench.benchutil import Check, env_int, run_benchmark
 from tools.tiny import build_all, qa_pair
 
-TARGET_MB = 200
+CORPUS_MB = env_int("RAYLIFT_BENCH_DATA_MB", 200, minimum=4)
+BLOCK = 1024
 HERE = Path(__file__).resolve().parent
 
 
@@ -31,60 +38,78 @@ def make_corpus(path: Path, megabytes: int, seed: int = 0) -> Path:
     return path
 
 
-def run(kind: str, model: Path, corpus: Path, block: int, workdir: Path) -> dict:
-    out = workdir / f"{kind}-{corpus.stem}.json"
-    res = subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "data_worker.py"),
-            kind,
-            str(model),
-            str(corpus),
-            str(block),
-            str(workdir),
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(out.read_text())
+def run(kind: str, model: Path, corpus: Path, workdir: Path) -> dict[str, float]:
+    """One pipeline in a fresh process and a fresh folder, removed afterwards (the caches
+    of a 200 MB corpus are large)."""
+    workdir.mkdir(parents=True)
+    out = workdir / "result.json"
+    try:
+        res = subprocess.run(
+            [
+                sys.executable,
+                str(HERE / "data_worker.py"),
+                kind,
+                str(model),
+                str(corpus),
+                str(BLOCK),
+                str(workdir),
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        return json.loads(out.read_text())
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _ratio(a: str, b: str, key: str):
+    return lambda r: r[a][key] / r[b][key]
+
+
+def _token_gap(r) -> float:
+    # Same documents, same EOS rule; group_texts drops a tail per map batch, so HF packs
+    # slightly fewer tokens. A larger gap means the two are not doing the same work.
+    return abs(r["raylift"]["tokens"] - r["hf_run_clm"]["tokens"]) / r["raylift"]["tokens"]
 
 
 def test_data_pipeline(tmp_path):
     assets = build_all(tmp_path / "assets", rows=200)
-    big = make_corpus(tmp_path / "big.jsonl", TARGET_MB)
-    small = make_corpus(tmp_path / "small.jsonl", TARGET_MB // 4, seed=1)
-    raylift = run("raylift", assets["model"], big, 1024, tmp_path)
-    raylift_small = run("raylift", assets["model"], small, 1024, tmp_path)
-    hf = run("hf", assets["model"], big, 1024, tmp_path)
-    hf2 = run("hf2", assets["model"], big, 1024, tmp_path)
-    # Same documents, same EOS rule; group_texts drops a tail per map batch, so HF packs
-    # slightly fewer tokens.
-    assert abs(raylift["tokens"] - hf["tokens"]) / raylift["tokens"] < 0.05
-    speedup = raylift["tokens_per_s"] / hf["tokens_per_s"]
-    growth = raylift["peak_rss_mb"] / raylift_small["peak_rss_mb"]
-    write_result(
+    model = assets["model"]
+    big = make_corpus(tmp_path / "big.jsonl", CORPUS_MB)
+    small = make_corpus(tmp_path / "small.jsonl", CORPUS_MB // 4, seed=1)
+
+    def command(kind: str, corpus: Path):
+        return lambda i: run(kind, model, corpus, tmp_path / f"{kind}-{corpus.stem}-{i}")
+
+    run_benchmark(
         "data_pipeline",
-        {
-            "corpus_mb": big.stat().st_size / 1e6,
-            "raylift": raylift,
-            "raylift_quarter_corpus": raylift_small,
-            "hf_datasets_run_clm_default": hf,
-            "hf_datasets_num_proc_2": hf2,
-            "speedup": speedup,
-            "speedup_vs_num_proc_2": raylift["tokens_per_s"] / hf2["tokens_per_s"],
-            "target_speedup": 3.0,
-            "meets_speedup": speedup >= 3.0,
-            "rss_growth_4x_corpus": growth,
-            "rss_flat": growth < 1.25,
+        title=f"tokenize + pack, {CORPUS_MB} MB: Raylift vs HF datasets (run_clm)",
+        commands={
+            "raylift": command("raylift", big),
+            "raylift_quarter_corpus": command("raylift", small),
+            "hf_run_clm": command("hf", big),
+            "hf_num_proc_2": command("hf2", big),
         },
-    )
-    bar_chart(
-        "data_pipeline",
-        f"tokenize + pack, {TARGET_MB} MB (×{speedup:.1f})",
-        ["raylift", "HF run_clm", "HF num_proc=2"],
-        [raylift["tokens_per_s"], hf["tokens_per_s"], hf2["tokens_per_s"]],
-        "tokens/s",
+        checks=[
+            Check("speedup", _ratio("raylift", "hf_run_clm", "tokens_per_s"), 3.0, unit="×"),
+            Check(
+                "rss_growth_4x_corpus",
+                _ratio("raylift", "raylift_quarter_corpus", "peak_rss_mb"),
+                1.25,
+                higher_is_better=False,
+                unit="×",
+            ),
+            Check("packed_token_gap", _token_gap, 0.05, higher_is_better=False),
+            Check("speedup_vs_num_proc_2", _ratio("raylift", "hf_num_proc_2", "tokens_per_s")),
+        ],
+        metric="tokens_per_s",
+        unit="tokens/s",
+        setup={
+            "corpus_mb": big.stat().st_size / 1e6,
+            "quarter_corpus_mb": small.stat().st_size / 1e6,
+            "block_size": BLOCK,
+        },
     )

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from tools import submit
+from trainer import checkpoint as ckpt_mod
 from trainer.config import load_config
 from trainer.metrics import lineage, read_records
 from trainer.preflight import run_all
@@ -113,60 +114,79 @@ def test_resume_is_exact(ray_cluster, job):
         )
 
 
-def _train_workers(since: float) -> list[psutil.Process]:
-    """This run's Ray Train worker processes (started after `since`)."""
+def _train_workers(cluster, since: float) -> list[psutil.Process]:
+    """This run's Ray Train worker processes: started after `since`, by this cluster (its
+    processes carry the cluster's own RAY_TMPDIR; other Ray clusters may run beside it)."""
     out = []
     for p in psutil.process_iter(["cmdline", "name", "create_time"]):
         text = " ".join(p.info.get("cmdline") or []) + " " + (p.info.get("name") or "")
-        if "RayTrainWorker" in text and p.info["create_time"] >= since:
-            out.append(p)
+        if "RayTrainWorker" not in text or p.info["create_time"] < since:
+            continue
+        try:
+            if p.environ().get("RAY_TMPDIR") == str(cluster.root):
+                out.append(p)
+        except psutil.Error:
+            continue
     return out
 
 
-def test_worker_sigkill_mid_run_resumes_from_last_checkpoint(ray_cluster, job):
-    every, total = 25, 300
-    path = job(
-        "kill",
+def test_worker_sigkill_resumes_from_newest_checkpoint_and_matches_uninterrupted(ray_cluster, job):
+    """A worker killed right after a checkpoint became complete in storage (before Ray's
+    controller registered it): the restart resumes from that newest checkpoint, not the
+    one before, and the final weights equal an uninterrupted run's with the same seed."""
+    every, total = 25, 150
+    sections = dict(
         train={"max_steps": total, "eval_every": None},
         checkpoint={"every_steps": every, "keep_last": 2},
     )
-    started = time.time()
-    cfg, client, job_id = launch(ray_cluster, path)
-    metrics = resolve(cfg.storage.path).join(cfg.run.name, "metrics.jsonl")
+    ref_cfg, _, _ = run_to_end(ray_cluster, job("kill-ref", **sections))
 
-    # Wait (bounded) until training is past two checkpoints, then kill one worker.
+    started = time.time()
+    cfg, client, job_id = launch(ray_cluster, job("kill", **sections))
+    run = resolve(cfg.storage.path).join(cfg.run.name)
+    # Kill the moment a second checkpoint is complete in storage (bounded wait).
     deadline = time.monotonic() + 240
-    step = 0
-    while time.monotonic() < deadline and step < 2 * every + 5:
-        recs = read_records(metrics)
-        step = max((r.get("step", 0) for r in recs), default=0)
+    newest = None
+    while time.monotonic() < deadline:
+        newest = ckpt_mod.find_latest(run)
+        if newest is not None and ckpt_mod.step_of(newest) >= 2 * every:
+            break
         assert not client.get_job_status(job_id).is_terminal(), client.get_job_logs(job_id)
-        time.sleep(0.2)
-    assert step >= 2 * every + 5, "training did not reach the kill point in time"
-    victims = _train_workers(started)
+        time.sleep(0.02)
+    assert newest is not None and ckpt_mod.step_of(newest) >= 2 * every, "no checkpoint in time"
+    victims = _train_workers(ray_cluster, started)
     assert len(victims) == 2, victims
     os.kill(victims[-1].pid, signal.SIGKILL)
-    killed_at = max(r.get("step", 0) for r in read_records(metrics))
+    newest_at_kill = ckpt_mod.step_of(newest)
+    killed_at = max(r.get("step", 0) for r in read_records(run.join("metrics.jsonl")))
 
     status, _ = submit.follow(client, job_id, progress=False)
     assert status == "SUCCEEDED", client.get_job_logs(job_id)[-4000:]
     records, steps, wasted = history(cfg)
     resumes = [r for r in records if r.get("event") == "resume"]
     assert len(resumes) == 1
-    from_step = resumes[0]["from_step"]
-    assert from_step % every == 0 and every <= from_step <= killed_at + every
+    # With one rank dead no later checkpoint can complete, so the newest complete one at
+    # the kill is exactly where the restart must pick up.
+    assert resumes[0]["from_step"] == newest_at_kill <= killed_at
     # Each step of the final model's history appears exactly once: no step trained twice
     # into it, none skipped; the resumed attempt starts right after its checkpoint.
     assert [r["step"] for r in steps] == list(range(1, total + 1))
     second = [r for r in records if r.get("attempt") == 2 and r.get("event") == "train"]
-    assert second[0]["step"] == from_step + 1
+    assert second[0]["step"] == newest_at_kill + 1
     assert wasted == len(
         [
             r
             for r in records
-            if r.get("attempt") == 1 and r.get("event") == "train" and r["step"] > from_step
+            if r.get("attempt") == 1 and r.get("event") == "train" and r["step"] > newest_at_kill
         ]
     )
+    assert wasted < every
+    final = f"export/{ckpt_mod.dir_name(total)}/model/model.safetensors"
+    got = load_file(str(Path(cfg.storage.path) / "kill" / final))
+    want = load_file(str(Path(ref_cfg.storage.path) / "kill-ref" / final))
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0, msg=k)
 
 
 def test_s3_storage_checkpoints_and_resume(ray_cluster, job, s3_server):
@@ -195,18 +215,79 @@ def test_s3_storage_checkpoints_and_resume(ray_cluster, job, s3_server):
 
 
 def test_malformed_line_deep_in_file_fails_on_cluster_with_file_line(
-    ray_cluster, job, tiny, tmp_path
+    ray_cluster, job, tiny, tmp_path, capsys
 ):
+    """The client's preflight reads only the first lines, so this job fails on the
+    cluster: `submit.py` exits 1 and shows the job's one-line error."""
     good = tiny["train"].read_text().splitlines()
     bad = tmp_path / "deep.jsonl"
     bad.write_text("\n".join([*good[:1200], '{"input": 12}', *good[1200:1300]]) + "\n")
-    cfg, client, job_id = launch(ray_cluster, job("badline"), [f"data.train_file={bad}"])
-    status, _ = submit.follow(client, job_id, progress=False)
-    logs = client.get_job_logs(job_id)
-    assert status == "FAILED"
-    assert f"{bad}:1201: expected an object with a string" in logs
-    assert "Traceback" not in logs  # one clear line, not a stack
-    assert not (Path(cfg.storage.path) / "badline").exists()  # no worker ever started
+    path = job("badline")
+    argv = [str(path), "--address", ray_cluster.dashboard_url, "--no-progress"]
+    rc = submit.main([*argv, "--set", f"data.train_file={bad}"])
+    out = capsys.readouterr()
+    assert rc == 1
+    assert "error: job raylift-badline-" in out.err and " FAILED" in out.err
+    tail = [x for x in out.err.splitlines() if x.startswith("  | ")]
+    assert any(f"{bad}:1201: expected an object with a string" in x for x in tail), out.err
+    assert "Traceback" not in out.out + out.err  # one clear line, not a stack
+    assert not (tmp_path / "runs" / "badline").exists()  # no worker ever started
+
+
+def test_stopped_job_exits_1(ray_cluster, job, capsys):
+    import threading
+
+    path = job("stopme", train={"max_steps": 5000, "eval_every": None})
+    client = submit.client_for(ray_cluster.dashboard_url)
+    stopped: list[str] = []
+
+    def stop_when_running():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not stopped:
+            for info in client.list_jobs():
+                meta = info.metadata or {}
+                if meta.get("raylift_run") == "stopme" and str(info.status) in (
+                    "RUNNING",
+                    "JobStatus.RUNNING",
+                ):
+                    client.stop_job(info.submission_id)
+                    stopped.append(info.submission_id)
+                    return
+            time.sleep(0.2)
+
+    t = threading.Thread(target=stop_when_running, daemon=True)
+    t.start()
+    rc = submit.main([str(path), "--address", ray_cluster.dashboard_url, "--no-progress"])
+    t.join(timeout=5)
+    err = capsys.readouterr().err
+    assert stopped, "the job never reached RUNNING"
+    assert rc == 1 and f"error: job {stopped[0]} STOPPED" in err
+
+
+def test_jobs_api_requires_the_cluster_token(ray_cluster, job, monkeypatch, capsys):
+    import urllib.error
+    import urllib.request
+
+    def status(headers: dict[str, str]) -> int:
+        req = urllib.request.Request(ray_cluster.dashboard_url + "/api/jobs/", headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    assert status({}) == 401
+    assert status({"Authorization": "Bearer " + "0" * 64}) == 403
+    assert status(ray_cluster.auth_headers) == 200
+    # The submit tool with a wrong token is refused with one clear line, nothing submitted.
+    before = len(submit.client_for(ray_cluster.dashboard_url).list_jobs())
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "0" * 64)
+    rc = submit.main([str(job("noauth")), "--address", ray_cluster.dashboard_url])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: the Ray cluster at" in err and "refused the token" in err, err
+    assert "Traceback" not in err
+    monkeypatch.undo()
+    assert len(submit.client_for(ray_cluster.dashboard_url).list_jobs()) == before
 
 
 def test_submit_rejects_bad_input_before_submitting(ray_cluster, job, capsys):

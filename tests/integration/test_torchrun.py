@@ -76,6 +76,9 @@ def test_model_from_s3_is_downloaded_once_per_node(job, tiny, s3_server, tmp_pat
         "train.max_steps=4",
     )
     assert res.returncode == 0, res.stderr[-3000:]
+    # Two ranks on one node: exactly one of them downloads, the other waits for its copy.
+    downloads = [x for x in res.stderr.splitlines() if "downloading s3://ckpt/models/tiny" in x]
+    assert len(downloads) == 1, downloads
     copies = list(cache.iterdir())
     dirs = [p for p in copies if p.is_dir()]
     assert len(dirs) == 1 and (dirs[0] / ".raylift-complete").exists()

@@ -6,7 +6,10 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from trainer import checkpoint as ck
+from trainer.errors import CheckpointError
 from trainer.storage import resolve
 
 
@@ -55,6 +58,26 @@ def test_latest_skips_a_torn_newer_checkpoint(tmp_path):
     assert latest is not None and latest.path.endswith("step_00000004")
 
 
+def test_only_torn_checkpoints_is_an_error_naming_them(tmp_path):
+    """Never silently train from scratch over a run's checkpoints."""
+    make_ckpt(tmp_path, 4, torn="missing-rank")
+    make_ckpt(tmp_path, 8, torn="truncated")
+    run = resolve(str(tmp_path))
+    with pytest.raises(CheckpointError) as err:
+        ck.find_latest(run)
+    msg = str(err.value)
+    assert "step_00000004 (rank 1 manifest missing)" in msg
+    assert "step_00000008 (model/model.safetensors: expected 100 bytes, found 40)" in msg
+    assert "allow_restart_from_scratch" in msg and "\n" not in msg
+    # Allowed explicitly: start over, and the torn folders are left for the user to see.
+    assert ck.find_latest(run, allow_scratch=True) is None
+    assert len(list(tmp_path.glob("step_*"))) == 2
+
+
+def test_empty_run_folder_starts_fresh(tmp_path):
+    assert ck.find_latest(resolve(str(tmp_path / "new-run"))) is None
+
+
 def test_prune_keeps_last_k_and_never_the_newest(tmp_path):
     for s in (2, 4, 6, 8):
         make_ckpt(tmp_path, s)
@@ -77,21 +100,6 @@ def test_rng_round_trip(tmp_path):
     assert ck.load_rng(d, 0)
     assert torch.equal(torch.rand(3), a)
     assert not ck.load_rng(d, 1)
-
-
-def test_checkpoints_but_none_complete_is_an_error_naming_them(tmp_path):
-    import pytest
-
-    from trainer.errors import CheckpointError
-
-    make_ckpt(tmp_path, 4, torn="truncated")
-    make_ckpt(tmp_path, 8, torn="missing-rank")
-    with pytest.raises(CheckpointError) as exc:
-        ck.find_latest(resolve(str(tmp_path)))
-    assert "step_00000004" in str(exc.value) and "step_00000008" in str(exc.value)
-    assert "allow_restart_from_scratch" in str(exc.value)
-    assert ck.find_latest(resolve(str(tmp_path)), allow_restart_from_scratch=True) is None
-    assert ck.find_latest(resolve(str(tmp_path / "empty"))) is None  # a new run: fine
 
 
 class _Counter:

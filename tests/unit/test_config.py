@@ -83,6 +83,7 @@ def test_contradicting_grad_accum(tmp_path):
         (["train.strategy=fsdp"], "train.strategy moved to its own section"),
         (["strategy.name=fsdp", "model.adapter=lora"], "model.adapter: lora composes with"),
         (["strategy.name=ddp", "strategy.cpu_offload=true"], "strategy.cpu_offload"),
+        (["strategy.name=fsdp", "strategy.cpu_offload=true"], "cpu_offload: needs GPUs"),
         (["model.lora.r=0"], "model.lora.r"),
         (["run.name=has space"], "run.name: 'has space'"),
         (["train.stop_at_step=11"], "stop_at_step: 11 is past max_steps 10"),
@@ -126,7 +127,8 @@ def test_round_trip_yaml(tmp_path):
 
 
 def test_strategy_sections_are_typed(tmp_path):
-    cfg = load_config(write(tmp_path, GOOD), ["strategy.name=fsdp", "strategy.cpu_offload=true"])
+    over = ["strategy.name=fsdp", "strategy.cpu_offload=true", "scaling.use_gpu=true"]
+    cfg = load_config(write(tmp_path, GOOD), over)
     assert cfg.strategy.name == "fsdp" and cfg.strategy.cpu_offload is True
     assert load_config(write(tmp_path, GOOD)).strategy.name == "ddp"
     cfg = load_config(write(tmp_path, GOOD), ["model.adapter=qlora", "optim.name=adamw8bit"])

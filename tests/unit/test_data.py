@@ -70,13 +70,29 @@ def test_iter_documents_counts(tmp_path):
     assert (report.documents, report.skipped) == (2, 1)
 
 
-def test_cache_is_reused_and_invalidated(tmp_path, tokenizer):
+def test_cache_is_reused_and_invalidated(tmp_path, tokenizer, monkeypatch):
+    import trainer.data as data_mod
+
+    encoded = []
+    real_encode = data_mod._encode_into
+
+    def counting(backend, batch, *args):
+        encoded.append(len(batch))
+        return real_encode(backend, batch, *args)
+
+    monkeypatch.setattr(data_mod, "_encode_into", counting)
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": "Ana has 3 pens."}] * 10)
     first = prepare(data, tokenizer, progress=False)
-    assert prepare(data, tokenizer, progress=False).dir == first.dir
+    assert sum(encoded) == 10
+    stamp = (first.dir / "tokens.bin").stat().st_mtime_ns
+    again = prepare(data, tokenizer, progress=False)
+    # Reused: same folder, the tokenizer was not called again, the file was not rewritten.
+    assert again.dir == first.dir and sum(encoded) == 10
+    assert (again.dir / "tokens.bin").stat().st_mtime_ns == stamp
     write_jsonl(data, [{"text": "Ben has 4 books."}] * 11)
     second = prepare(data, tokenizer, progress=False)
     assert second.dir != first.dir and second.meta["documents"] == 11
+    assert sum(encoded) == 21
     # No temp folders are left behind next to the caches.
     assert not [p for p in first.dir.parent.iterdir() if ".tmp-" in p.name]
 

@@ -1,0 +1,124 @@
+"""The benchmark harness itself: interleaving, median/spread, verdicts, and that a missed
+target fails only after the JSON and the plot are written. No training: fast."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.bench.benchutil import (
+    Check,
+    Stats,
+    TargetMissed,
+    interleave,
+    repeats,
+    run_benchmark,
+)
+
+
+def _recorder(calls: list[str], name: str, value: float = 1.0):
+    def command(i: int) -> dict[str, float]:
+        calls.append(f"{name}{i}")
+        return {"v": value}
+
+    return command
+
+
+def test_interleave_runs_round_by_round():
+    calls: list[str] = []
+    commands = {n: _recorder(calls, n) for n in ("a", "b", "c")}
+    rounds = interleave(commands, 3, log=lambda _: None)
+    assert calls == ["a0", "b0", "c0", "a1", "b1", "c1", "a2", "b2", "c2"]
+    assert len(rounds) == 3
+    assert list(rounds[1]) == ["a", "b", "c"]
+
+
+def test_stats_median_and_spread():
+    s = Stats((3.0, 1.0, 2.0))
+    assert (s.median, s.low, s.high, s.spread) == (2.0, 1.0, 3.0, 2.0)
+    assert s.relative_spread == pytest.approx(1.0)
+    assert Stats((1.0, 2.0, 3.0, 10.0)).median == 2.5
+    assert Stats((5.0, 5.0, 5.0)).spread == 0.0
+
+
+@pytest.mark.parametrize(
+    ("higher", "value", "expected"),
+    [
+        (True, 0.95, True),  # the target itself passes
+        (True, 0.9499, False),
+        (True, 2.0, True),
+        (False, 1.25, True),
+        (False, 1.2501, False),
+        (False, 0.5, True),
+        (True, math.nan, False),
+        (False, math.nan, False),
+    ],
+)
+def test_verdict(higher, value, expected):
+    target = 0.95 if higher else 1.25
+    assert Check("x", lambda r: 0.0, target, higher_is_better=higher).passes(value) is expected
+
+
+def test_check_without_target_is_not_judged():
+    assert Check("x", lambda r: 0.0).passes(0.0) is None
+
+
+def test_repeats_from_env(monkeypatch):
+    monkeypatch.delenv("RAYLIFT_BENCH_REPEATS", raising=False)
+    assert repeats() == 3
+    monkeypatch.setenv("RAYLIFT_BENCH_REPEATS", "5")
+    assert repeats() == 5
+    for bad in ("2", "x"):
+        monkeypatch.setenv("RAYLIFT_BENCH_REPEATS", bad)
+        with pytest.raises(ValueError, match="RAYLIFT_BENCH_REPEATS"):
+            repeats()
+
+
+def _ratio_bench(tmp_path, a_values, target):
+    """A over B per round; A's value changes each round, B is constant."""
+    it = iter(a_values)
+    return run_benchmark(
+        "toy",
+        title="toy",
+        commands={"a": lambda i: {"v": next(it)}, "b": lambda i: {"v": 2.0}},
+        checks=[Check("ratio", lambda r: r["a"]["v"] / r["b"]["v"], target)],
+        metric="v",
+        rounds=len(a_values),
+        out_dir=tmp_path,
+    )
+
+
+def test_pass_writes_json_and_plot(tmp_path, capsys):
+    result = _ratio_bench(tmp_path, [2.0, 1.8, 2.2], target=0.95)
+    assert result["passed"] is True
+    saved = json.loads((tmp_path / "toy.json").read_text())
+    assert saved["order"] == ["a#0", "b#0", "a#1", "b#1", "a#2", "b#2"]
+    check = saved["checks"][0]
+    assert check["verdict"] == "PASS"
+    assert check["median"] == pytest.approx(1.0)
+    assert check["spread"] == pytest.approx(0.2)
+    assert check["values"] == pytest.approx([1.0, 0.9, 1.1])
+    assert saved["commands"]["a"]["v"]["median"] == pytest.approx(2.0)
+    assert (tmp_path / "toy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "toy ratio: 1 (median of 3" in out
+    assert "target ≥ 0.95  PASS" in out
+
+
+def test_miss_raises_after_writing(tmp_path, capsys):
+    # The median (0.9) misses; one lucky round (1.1) must not rescue it.
+    with pytest.raises(TargetMissed, match="missed ratio"):
+        _ratio_bench(tmp_path, [1.8, 2.2, 1.6], target=0.95)
+    saved = json.loads((tmp_path / "toy.json").read_text())
+    assert saved["passed"] is False
+    assert saved["missed"] == ["ratio"]
+    assert saved["checks"][0]["verdict"] == "MISS"
+    assert saved["checks"][0]["median"] == pytest.approx(0.9)
+    assert (tmp_path / "toy.png").stat().st_size > 0
+    assert "target ≥ 0.95  MISS" in capsys.readouterr().out
+
+
+def test_miss_is_an_assertion_so_pytest_fails():
+    assert issubclass(TargetMissed, AssertionError)

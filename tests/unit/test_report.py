@@ -1,0 +1,58 @@
+"""tools/report.py: the figures it prints and the plot it draws, from a real metrics file
+with a restart in it."""
+
+from __future__ import annotations
+
+import json
+
+from tools import report
+
+
+def _write_history(path):
+    recs = []
+    for s in range(1, 11):  # attempt 1 trains 10 steps, then dies
+        recs.append(
+            {
+                "event": "train",
+                "attempt": 1,
+                "step": s,
+                "loss": 5.0 - 0.1 * s,
+                "tokens_per_s": 1000.0,
+            }
+        )
+    recs.append({"event": "resume", "attempt": 2, "from_step": 8})  # 9 and 10 are lost
+    for s in range(9, 21):
+        rec = {
+            "event": "train",
+            "attempt": 2,
+            "step": s,
+            "loss": 5.0 - 0.2 * s,
+            "tokens_per_s": 2000.0,
+        }
+        if s in (10, 20):
+            rec.update(eval_loss=1.5 if s == 20 else 2.5, eval_perplexity=4.4817)
+        recs.append(rec)
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_summary_figures_and_plot(tmp_path):
+    run_dir = tmp_path / "runs" / "r1"
+    _write_history(run_dir / "metrics.jsonl")
+    run = report.load_run(str(run_dir))
+    assert [r["step"] for r in run["steps"]] == list(range(1, 21))
+    assert (run["restarts"], run["wasted_steps"]) == (1, 2)
+    lines = report.summary_lines(run)
+    assert lines[0] == "steps: 20  (restarts: 1, steps lost to restarts: 2)"
+    assert lines[1] == "loss: 4.9000 → 1.0000"
+    # Second half of the final lineage: steps 11..20, all from attempt 2.
+    assert lines[2] == "tokens/s (all workers, second half of the run): 2,000"
+    assert lines[3] == "eval loss: 1.5000 (perplexity 4.48)"
+
+    png = report.plot(run, tmp_path / "out" / "loss.png", "r1")
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_empty_run_says_so(tmp_path):
+    assert report.summary_lines(report.load_run(str(tmp_path / "none"))) == ["no steps recorded"]
