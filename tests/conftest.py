@@ -89,30 +89,10 @@ def ray_cluster():
         cluster.add_node(num_cpus=1, labels={"pool": "cpu"})
         cluster.wait_nodes(3)
         os.environ["RAY_AUTH_TOKEN"] = cluster.token  # what tools/submit.py reads
-        _wait_job_agent(cluster.dashboard_url)
         yield cluster
     finally:
         os.environ.pop("RAY_AUTH_TOKEN", None)
         cluster.stop()
-
-
-def _wait_job_agent(address: str, timeout: float = 180) -> None:
-    """The Jobs API answers before the head's job agent has registered; a first submit
-    can then fail with "No available agent". Submit a no-op job until one is accepted."""
-    from tools.submit import client_for
-
-    client = client_for(address)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            job_id = client.submit_job(entrypoint="true")
-            break
-        except RuntimeError as exc:
-            if "No available agent" not in str(exc) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
-    while not client.get_job_status(job_id).is_terminal() and time.monotonic() < deadline:
-        time.sleep(0.2)
 
 
 def _free_port() -> int:
