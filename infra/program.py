@@ -11,16 +11,19 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from infra.components.iam import NodeIam, NodeIamArgs
+from infra.components.alerts import CapacityAlerts
+from infra.components.ami import pinned_ami
+from infra.components.iam import NodeIam, NodeIamArgs, NodeScope
 from infra.components.network import EndpointsArgs, InterfaceEndpoints, Network, NetworkArgs
-from infra.components.pool import PoolArgs, RayPool
+from infra.components.pool import DRAIN_HOOK, PoolArgs, RayPool
 from infra.components.registry import Registry, RegistryArgs
 from infra.components.secrets import RayToken, RayTokenArgs
 from infra.components.security import ClusterSecurity, SecurityArgs
 from infra.components.storage import Storage, StorageArgs
 from infra.components.userdata import NodeBootstrap, render_user_data
+from infra.image_tags import ImageTags, resolve_tags
 from infra.settings import POOL_MARKETS, StackSettings, parse_settings
-from infra.summary import pool_summary
+from infra.summary import pool_summary, vcpu_needs
 from trainer.catalog import get_instance
 
 # Top-level `raylift:` keys a stack file may set (see Pulumi.example.yaml).
@@ -31,9 +34,10 @@ def read_settings() -> StackSettings:
     """Collect the `raylift:*` stack config into one validated settings object."""
     cfg = pulumi.Config("raylift")
     raw: dict[str, Any] = {}
-    cluster_name = cfg.get("clusterName")
-    if cluster_name is not None:
-        raw["clusterName"] = cluster_name
+    for key in ("clusterName", "amiParameter", "alertEmail"):
+        value = cfg.get(key)
+        if value is not None:
+            raw[key] = value
     for key in _OBJECT_KEYS:
         value = cfg.get_object(key)
         if value is not None:
@@ -53,6 +57,41 @@ def pool_resources(pool: str, extra: dict[str, float]) -> dict[str, float]:
     """Custom resources; `large_cpu_mem` matches Ray's Llama-2 template's rank-0 placement."""
     resources: dict[str, float] = {"large_cpu_mem": 1} if pool == "large-cpu-mem" else {}
     return {**resources, **extra}
+
+
+def check_image_in_ecr(repository: str, tag: str, source: str) -> None:
+    """Fail the preview, in one line, when the tag was never pushed: otherwise every GPU node
+    would boot, retry a pull of an image that does not exist, and be replaced, forever."""
+    try:
+        aws.ecr.get_image(repository_name=repository, image_tag=tag)
+    except Exception as exc:  # the provider's error type is not part of its API
+        reason = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else repr(exc)
+        raise pulumi.RunError(
+            f"image {repository}:{tag} (from {source}) is not in ECR: push it first "
+            f"(`make push` writes the tag it pushed to build/image-tag) [{reason}]"
+        ) from None
+
+
+def report_quotas(settings: StackSettings) -> None:
+    """Say at preview which vCPU quotas the pools need, and warn where the account's is lower."""
+    for code, need in vcpu_needs(settings).items():
+        try:
+            quota = aws.servicequotas.get_service_quota(quota_code=code, service_code="ec2").value
+        except Exception:  # no servicequotas permission: still say what is needed
+            quota = None
+        line = (
+            f"pools {', '.join(need['pools'])} need {need['vcpus']} vCPUs of "
+            f"'{need['quota']}' ({code}); this account's quota: "
+            f"{'unknown' if quota is None else int(quota)}"
+        )
+        if quota is not None and quota < need["vcpus"]:
+            pulumi.log.warn(
+                f"{line}. The group will not get capacity until the quota is raised: "
+                f"aws service-quotas request-service-quota-increase --service-code ec2 "
+                f"--quota-code {code} --desired-value {need['vcpus']}"
+            )
+        else:
+            pulumi.log.info(line)
 
 
 def main() -> dict[str, Any]:
@@ -83,8 +122,9 @@ def main() -> dict[str, Any]:
     security = ClusterSecurity(
         name, SecurityArgs(cluster_name=name, vpc_id=network.vpc_id, ray=settings.ray, tags=tags)
     )
+    endpoints = None
     if net_settings.interface_endpoints:
-        InterfaceEndpoints(
+        endpoints = InterfaceEndpoints(
             f"{name}-endpoints",
             EndpointsArgs(
                 region=region,
@@ -118,22 +158,57 @@ def main() -> dict[str, Any]:
             repository_arns=registry.repository_arns,
             token_secret_arn=token.secret_arn if token else None,
             zone_id=network.zone_id,
+            scope=NodeScope(
+                cluster_name=name,
+                region=region,
+                account_id=aws.get_caller_identity().account_id,
+                checkpoint_prefix=settings.storage.checkpoint_prefix,
+                kms_key_arn=settings.storage.kms_key_arn,
+            ),
             tags=tags,
         ),
     )
 
     head_fqdn = f"head.{network.zone_name}"
     repo_url = registry.repository_urls[settings.image.repository]
-    cpu_tag = settings.image.cpu_tag or f"{settings.image.tag}-cpu"
+    repo_name = f"{settings.registry.prefix}/{settings.image.repository}"
+    tags_found = resolve_tags(settings.image)
+    enabled = {p: spec for p, spec in settings.pools.by_name().items() if spec.size > 0}
+    if tags_found is None:
+        pulumi.log.warn(
+            "no image tag (raylift:image.tag unset and no "
+            f"{settings.image.tag_file} yet): created the network, storage and ECR "
+            "repositories but no node pools. Next: `make image push` (it writes the tag "
+            "file), then `pulumi up` again."
+        )
+        enabled = {}
+    else:
+        check_image_in_ecr(repo_name, tags_found.gpu, tags_found.source)
+        if "cpu" in enabled:
+            if tags_found.cpu is None:
+                raise pulumi.RunError(
+                    f"raylift:image.cpuTag: the cpu pool needs the trainer-cpu tag, and "
+                    f"{tags_found.gpu!r} is not a trainer-gpu-... tag to derive it from; set it"
+                )
+            check_image_in_ecr(repo_name, tags_found.cpu, f"{tags_found.source}, cpu variant")
+        report_quotas(settings)
+    alerts = CapacityAlerts(name, settings.alert_email, tags)
+    stack_ami = pinned_ami(name, settings.ami_parameter, tags) if enabled else None
+    boot_dependencies = [
+        *network.boot_dependencies,
+        *storage.boot_dependencies,
+        *iam.boot_dependencies,
+        *(token.boot_dependencies if token else []),
+        *([endpoints] if endpoints is not None else []),
+    ]
     pools: dict[str, RayPool] = {}
-    for pool, spec in settings.pools.by_name().items():
-        if spec.size == 0:
-            continue
+    for pool, spec in enabled.items():
+        assert isinstance(tags_found, ImageTags)
         role = "head" if pool == "head" else "worker"
         instance = get_instance(spec.instance_types[0])
         use_gpus = instance.gpu_count > 0
         # The CPU pool runs the oneCCL build of the trainer image; everything else the GPU one.
-        tag = cpu_tag if pool == "cpu" else settings.image.tag
+        tag = tags_found.cpu if pool == "cpu" else tags_found.gpu
         user_data = pulumi.Output.all(
             efs_id=storage.efs_id,
             repo_url=repo_url,
@@ -144,6 +219,7 @@ def main() -> dict[str, Any]:
                 NodeBootstrap(
                     role=role,
                     pool=pool,
+                    market=POOL_MARKETS[pool],
                     cluster_name=name,
                     region=region,
                     efs_id=v["efs_id"],
@@ -157,6 +233,7 @@ def main() -> dict[str, Any]:
                     num_cpus=spec.num_cpus,
                     token_secret_arn=v["secret_arn"],
                     hosted_zone_id=v["zone_id"] if role == "head" else None,
+                    lifecycle_hook=DRAIN_HOOK if role == "worker" else None,
                 )
             )
         )
@@ -170,29 +247,36 @@ def main() -> dict[str, Any]:
                 instance_types=spec.instance_types,
                 size=spec.size,
                 root_volume_gib=spec.root_volume_gib,
+                root_volume_throughput=spec.root_volume_throughput,
+                root_volume_iops=spec.root_volume_iops,
                 root_device_name=spec.root_device_name,
-                ami=spec.ami,
+                ami=spec.ami or stack_ami,
                 subnet_ids=network.private_subnet_ids,
                 security_group_id=security.cluster_sg_id,
                 instance_profile_arn=(
                     iam.head_profile_arn if role == "head" else iam.worker_profile_arn
                 ),
                 user_data=user_data,
+                alerts_topic_arn=alerts.topic_arn,
+                boot_dependencies=boot_dependencies,
                 tags=tags,
             ),
         )
 
     dashboard = settings.ray.dashboard_port
-    port_forward = pools["head"].asg_name.apply(
-        lambda asg: (
-            f'aws ssm start-session --region {region} --target "$(aws ec2 describe-instances '
-            f"--region {region} --filters Name=tag:aws:autoscaling:groupName,Values={asg} "
-            "Name=instance-state-name,Values=running "
-            "--query 'Reservations[0].Instances[0].InstanceId' --output text)\" "
-            "--document-name AWS-StartPortForwardingSession "
-            f'--parameters \'{{"portNumber":["{dashboard}"],"localPortNumber":["{dashboard}"]}}\''
+    ports = f'{{"portNumber":["{dashboard}"],"localPortNumber":["{dashboard}"]}}'
+    port_forward = None
+    if "head" in pools:
+        port_forward = pools["head"].asg_name.apply(
+            lambda asg: (
+                f'aws ssm start-session --region {region} --target "$(aws ec2 describe-instances '
+                f"--region {region} --filters Name=tag:aws:autoscaling:groupName,Values={asg} "
+                "Name=instance-state-name,Values=running "
+                "--query 'Reservations[0].Instances[0].InstanceId' --output text)\" "
+                "--document-name AWS-StartPortForwardingSession "
+                f"--parameters '{ports}'"
+            )
         )
-    )
     outputs: dict[str, Any] = {
         "headAddress": f"{head_fqdn}:{settings.ray.gcs_port}",
         "jobsApiPortForward": port_forward,
@@ -201,7 +285,14 @@ def main() -> dict[str, Any]:
         "efsId": storage.efs_id,
         "sharedMountPath": settings.storage.mount_path,
         "repositories": registry.repository_urls,
-        "image": repo_url.apply(lambda u: f"{u}:{settings.image.tag}"),
+        "image": (repo_url.apply(lambda u, t=tags_found.gpu: f"{u}:{t}") if tags_found else None),
+        "cpuImage": (
+            repo_url.apply(lambda u, t=tags_found.cpu: f"{u}:{t}")
+            if tags_found and tags_found.cpu
+            else None
+        ),
+        "ami": stack_ami,
+        "capacityAlertsTopic": alerts.topic_arn,
         "rayAuthTokenSecretArn": token.secret_arn if token else None,
         "summary": pool_summary(settings),
     }
