@@ -95,6 +95,8 @@ def run_script(
     behaviour: dict[str, str | None] | None = None,
 ) -> ScriptRun:
     """Run `script` under bash with the stubs; `mounted` starts with EFS already mounted."""
+    # Never run a script that would write to this machine's /etc, /usr/local or /var.
+    assert 'R="${RAYLIFT_ROOT:-}"' in script, "script does not honour RAYLIFT_ROOT"
     bin_dir, log, state, root = (tmp_path / n for n in ("bin", "calls.log", "state", "root"))
     _write_stubs(bin_dir, log, behaviour or {})
     state.mkdir()
