@@ -11,6 +11,7 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
+from infra.checks import check_image_in_ecr, report_quotas
 from infra.components.alerts import CapacityAlerts
 from infra.components.ami import pinned_ami
 from infra.components.iam import NodeIam, NodeIamArgs, NodeScope
@@ -23,7 +24,7 @@ from infra.components.storage import Storage, StorageArgs
 from infra.components.userdata import NodeBootstrap, render_user_data
 from infra.image_tags import ImageTags, resolve_tags
 from infra.settings import POOL_MARKETS, StackSettings, parse_settings
-from infra.summary import pool_summary, vcpu_needs
+from infra.summary import pool_summary
 from trainer.catalog import get_instance
 
 # Top-level `raylift:` keys a stack file may set (see Pulumi.example.yaml).
@@ -57,41 +58,6 @@ def pool_resources(pool: str, extra: dict[str, float]) -> dict[str, float]:
     """Custom resources; `large_cpu_mem` matches Ray's Llama-2 template's rank-0 placement."""
     resources: dict[str, float] = {"large_cpu_mem": 1} if pool == "large-cpu-mem" else {}
     return {**resources, **extra}
-
-
-def check_image_in_ecr(repository: str, tag: str, source: str) -> None:
-    """Fail the preview, in one line, when the tag was never pushed: otherwise every GPU node
-    would boot, retry a pull of an image that does not exist, and be replaced, forever."""
-    try:
-        aws.ecr.get_image(repository_name=repository, image_tag=tag)
-    except Exception as exc:  # the provider's error type is not part of its API
-        reason = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else repr(exc)
-        raise pulumi.RunError(
-            f"image {repository}:{tag} (from {source}) is not in ECR: push it first "
-            f"(`make push` writes the tag it pushed to build/image-tag) [{reason}]"
-        ) from None
-
-
-def report_quotas(settings: StackSettings) -> None:
-    """Say at preview which vCPU quotas the pools need, and warn where the account's is lower."""
-    for code, need in vcpu_needs(settings).items():
-        try:
-            quota = aws.servicequotas.get_service_quota(quota_code=code, service_code="ec2").value
-        except Exception:  # no servicequotas permission: still say what is needed
-            quota = None
-        line = (
-            f"pools {', '.join(need['pools'])} need {need['vcpus']} vCPUs of "
-            f"'{need['quota']}' ({code}); this account's quota: "
-            f"{'unknown' if quota is None else int(quota)}"
-        )
-        if quota is not None and quota < need["vcpus"]:
-            pulumi.log.warn(
-                f"{line}. The group will not get capacity until the quota is raised: "
-                f"aws service-quotas request-service-quota-increase --service-code ec2 "
-                f"--quota-code {code} --desired-value {need['vcpus']}"
-            )
-        else:
-            pulumi.log.info(line)
 
 
 def main() -> dict[str, Any]:
@@ -172,9 +138,9 @@ def main() -> dict[str, Any]:
     head_fqdn = f"head.{network.zone_name}"
     repo_url = registry.repository_urls[settings.image.repository]
     repo_name = f"{settings.registry.prefix}/{settings.image.repository}"
-    tags_found = resolve_tags(settings.image)
+    image_tags = resolve_tags(settings.image)
     enabled = {p: spec for p, spec in settings.pools.by_name().items() if spec.size > 0}
-    if tags_found is None:
+    if image_tags is None:
         pulumi.log.warn(
             "no image tag (raylift:image.tag unset and no "
             f"{settings.image.tag_file} yet): created the network, storage and ECR "
@@ -183,14 +149,14 @@ def main() -> dict[str, Any]:
         )
         enabled = {}
     else:
-        check_image_in_ecr(repo_name, tags_found.gpu, tags_found.source)
+        check_image_in_ecr(repo_name, image_tags.gpu, image_tags.source)
         if "cpu" in enabled:
-            if tags_found.cpu is None:
+            if image_tags.cpu is None:
                 raise pulumi.RunError(
                     f"raylift:image.cpuTag: the cpu pool needs the trainer-cpu tag, and "
-                    f"{tags_found.gpu!r} is not a trainer-gpu-... tag to derive it from; set it"
+                    f"{image_tags.gpu!r} is not a trainer-gpu-... tag to derive it from; set it"
                 )
-            check_image_in_ecr(repo_name, tags_found.cpu, f"{tags_found.source}, cpu variant")
+            check_image_in_ecr(repo_name, image_tags.cpu, f"{image_tags.source}, cpu variant")
         report_quotas(settings)
     alerts = CapacityAlerts(name, settings.alert_email, tags)
     stack_ami = pinned_ami(name, settings.ami_parameter, tags) if enabled else None
@@ -203,12 +169,12 @@ def main() -> dict[str, Any]:
     ]
     pools: dict[str, RayPool] = {}
     for pool, spec in enabled.items():
-        assert isinstance(tags_found, ImageTags)
+        assert isinstance(image_tags, ImageTags)
         role = "head" if pool == "head" else "worker"
         instance = get_instance(spec.instance_types[0])
         use_gpus = instance.gpu_count > 0
         # The CPU pool runs the oneCCL build of the trainer image; everything else the GPU one.
-        tag = tags_found.cpu if pool == "cpu" else tags_found.gpu
+        tag = image_tags.cpu if pool == "cpu" else image_tags.gpu
         user_data = pulumi.Output.all(
             efs_id=storage.efs_id,
             repo_url=repo_url,
@@ -285,10 +251,10 @@ def main() -> dict[str, Any]:
         "efsId": storage.efs_id,
         "sharedMountPath": settings.storage.mount_path,
         "repositories": registry.repository_urls,
-        "image": (repo_url.apply(lambda u, t=tags_found.gpu: f"{u}:{t}") if tags_found else None),
+        "image": (repo_url.apply(lambda u, t=image_tags.gpu: f"{u}:{t}") if image_tags else None),
         "cpuImage": (
-            repo_url.apply(lambda u, t=tags_found.cpu: f"{u}:{t}")
-            if tags_found and tags_found.cpu
+            repo_url.apply(lambda u, t=image_tags.cpu: f"{u}:{t}")
+            if image_tags and image_tags.cpu
             else None
         ),
         "ami": stack_ami,

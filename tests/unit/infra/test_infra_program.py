@@ -678,3 +678,13 @@ def test_capacity_problems_are_not_silent(full_stack: Stack) -> None:
     assert needs["L-3819A6DF"]["vcpus"] == 5 * 32  # spot: largest listed type, g5.8xlarge
     assert needs["L-DB2E81BA"]["vcpus"] == 2 * 48 + 96  # g5.12xlarge x2 + g5.24xlarge
     assert any("L-3819A6DF" in w and "160 vCPUs" in w for w in full_stack.warnings)
+
+
+def test_cpu_pool_needs_a_derivable_or_named_cpu_tag(run_stack: StackRunner) -> None:
+    error = run_stack.failure({**FULL_CONFIG, "raylift:image": {"tag": "hand-named-1"}})
+    assert "raylift:image.cpuTag" in error
+    stack = run_stack(
+        {**FULL_CONFIG, "raylift:image": {"tag": "hand-named-1", "cpuTag": "hand-named-1-cpu"}}
+    )
+    repo = stack.outputs["repositories"]["trainer"]
+    assert f"IMAGE='{repo}:hand-named-1-cpu'\n" in stack.pools["cpu"].user_data
