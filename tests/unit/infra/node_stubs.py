@@ -17,6 +17,38 @@ import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from infra.components.userdata import NodeBootstrap
+from infra.settings import RaySettings
+
+IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/raylift/trainer:trainer-gpu-0.1.0-abcdef0"
+
+
+def node(role: str, **overrides: Any) -> NodeBootstrap:
+    """A head or a gpu-spot worker of a cluster named demo, as the program would describe it."""
+    base = dict(
+        role=role,
+        pool="head" if role == "head" else "gpu-spot",
+        market="on-demand" if role == "head" else "spot",
+        cluster_name="demo",
+        region="us-east-1",
+        efs_id="fs-0123456789abcdef0",
+        mount_path="/mnt/shared",
+        image=IMAGE,
+        head_fqdn="head.demo.raylift.internal",
+        ray=RaySettings(),
+        use_gpus=role != "head",
+        labels={"pool": "gpu-spot", "market": "spot"} if role != "head" else {"pool": "head"},
+        resources={} if role == "head" else {"large_cpu_mem": 1},
+        num_cpus=0 if role == "head" else None,
+        token_secret_arn="arn:aws:secretsmanager:us-east-1:123456789012:secret:demo-AbCdEf",
+        hosted_zone_id="Z0123456789" if role == "head" else None,
+        lifecycle_hook=None if role == "head" else "raylift-drain",
+    )
+    base.update(overrides)
+    return NodeBootstrap(**base)
+
 
 # What a healthy node's commands answer. $STATE is a scratch folder for stub state.
 DEFAULT_BEHAVIOUR: dict[str, str] = {

