@@ -11,14 +11,18 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from infra.components.iam import NodeIam, NodeIamArgs
+from infra.checks import check_image_in_ecr, report_quotas
+from infra.components.alerts import CapacityAlerts
+from infra.components.ami import pinned_ami
+from infra.components.iam import NodeIam, NodeIamArgs, NodeScope
 from infra.components.network import EndpointsArgs, InterfaceEndpoints, Network, NetworkArgs
-from infra.components.pool import PoolArgs, RayPool
+from infra.components.pool import DRAIN_HOOK, PoolArgs, RayPool
 from infra.components.registry import Registry, RegistryArgs
 from infra.components.secrets import RayToken, RayTokenArgs
 from infra.components.security import ClusterSecurity, SecurityArgs
 from infra.components.storage import Storage, StorageArgs
 from infra.components.userdata import NodeBootstrap, render_user_data
+from infra.image_tags import ImageTags, resolve_tags
 from infra.settings import POOL_MARKETS, StackSettings, parse_settings
 from infra.summary import pool_summary
 from trainer.catalog import get_instance
@@ -31,9 +35,10 @@ def read_settings() -> StackSettings:
     """Collect the `raylift:*` stack config into one validated settings object."""
     cfg = pulumi.Config("raylift")
     raw: dict[str, Any] = {}
-    cluster_name = cfg.get("clusterName")
-    if cluster_name is not None:
-        raw["clusterName"] = cluster_name
+    for key in ("clusterName", "amiParameter", "alertEmail"):
+        value = cfg.get(key)
+        if value is not None:
+            raw[key] = value
     for key in _OBJECT_KEYS:
         value = cfg.get_object(key)
         if value is not None:
@@ -83,8 +88,9 @@ def main() -> dict[str, Any]:
     security = ClusterSecurity(
         name, SecurityArgs(cluster_name=name, vpc_id=network.vpc_id, ray=settings.ray, tags=tags)
     )
+    endpoints = None
     if net_settings.interface_endpoints:
-        InterfaceEndpoints(
+        endpoints = InterfaceEndpoints(
             f"{name}-endpoints",
             EndpointsArgs(
                 region=region,
@@ -118,22 +124,57 @@ def main() -> dict[str, Any]:
             repository_arns=registry.repository_arns,
             token_secret_arn=token.secret_arn if token else None,
             zone_id=network.zone_id,
+            scope=NodeScope(
+                cluster_name=name,
+                region=region,
+                account_id=aws.get_caller_identity().account_id,
+                checkpoint_prefix=settings.storage.checkpoint_prefix,
+                kms_key_arn=settings.storage.kms_key_arn,
+            ),
             tags=tags,
         ),
     )
 
     head_fqdn = f"head.{network.zone_name}"
     repo_url = registry.repository_urls[settings.image.repository]
-    cpu_tag = settings.image.cpu_tag or f"{settings.image.tag}-cpu"
+    repo_name = f"{settings.registry.prefix}/{settings.image.repository}"
+    image_tags = resolve_tags(settings.image)
+    enabled = {p: spec for p, spec in settings.pools.by_name().items() if spec.size > 0}
+    if image_tags is None:
+        pulumi.log.warn(
+            "no image tag (raylift:image.tag unset and no "
+            f"{settings.image.tag_file} yet): created the network, storage and ECR "
+            "repositories but no node pools. Next: `make image push` (it writes the tag "
+            "file), then `pulumi up` again."
+        )
+        enabled = {}
+    else:
+        check_image_in_ecr(repo_name, image_tags.gpu, image_tags.source)
+        if "cpu" in enabled:
+            if image_tags.cpu is None:
+                raise pulumi.RunError(
+                    f"raylift:image.cpuTag: the cpu pool needs the trainer-cpu tag, and "
+                    f"{image_tags.gpu!r} is not a trainer-gpu-... tag to derive it from; set it"
+                )
+            check_image_in_ecr(repo_name, image_tags.cpu, f"{image_tags.source}, cpu variant")
+        report_quotas(settings)
+    alerts = CapacityAlerts(name, settings.alert_email, tags)
+    stack_ami = pinned_ami(name, settings.ami_parameter, tags) if enabled else None
+    boot_dependencies = [
+        *network.boot_dependencies,
+        *storage.boot_dependencies,
+        *iam.boot_dependencies,
+        *(token.boot_dependencies if token else []),
+        *([endpoints] if endpoints is not None else []),
+    ]
     pools: dict[str, RayPool] = {}
-    for pool, spec in settings.pools.by_name().items():
-        if spec.size == 0:
-            continue
+    for pool, spec in enabled.items():
+        assert isinstance(image_tags, ImageTags)
         role = "head" if pool == "head" else "worker"
         instance = get_instance(spec.instance_types[0])
         use_gpus = instance.gpu_count > 0
         # The CPU pool runs the oneCCL build of the trainer image; everything else the GPU one.
-        tag = cpu_tag if pool == "cpu" else settings.image.tag
+        tag = image_tags.cpu if pool == "cpu" else image_tags.gpu
         user_data = pulumi.Output.all(
             efs_id=storage.efs_id,
             repo_url=repo_url,
@@ -144,6 +185,7 @@ def main() -> dict[str, Any]:
                 NodeBootstrap(
                     role=role,
                     pool=pool,
+                    market=POOL_MARKETS[pool],
                     cluster_name=name,
                     region=region,
                     efs_id=v["efs_id"],
@@ -157,6 +199,7 @@ def main() -> dict[str, Any]:
                     num_cpus=spec.num_cpus,
                     token_secret_arn=v["secret_arn"],
                     hosted_zone_id=v["zone_id"] if role == "head" else None,
+                    lifecycle_hook=DRAIN_HOOK if role == "worker" else None,
                 )
             )
         )
@@ -170,29 +213,36 @@ def main() -> dict[str, Any]:
                 instance_types=spec.instance_types,
                 size=spec.size,
                 root_volume_gib=spec.root_volume_gib,
+                root_volume_throughput=spec.root_volume_throughput,
+                root_volume_iops=spec.root_volume_iops,
                 root_device_name=spec.root_device_name,
-                ami=spec.ami,
+                ami=spec.ami or stack_ami,
                 subnet_ids=network.private_subnet_ids,
                 security_group_id=security.cluster_sg_id,
                 instance_profile_arn=(
                     iam.head_profile_arn if role == "head" else iam.worker_profile_arn
                 ),
                 user_data=user_data,
+                alerts_topic_arn=alerts.topic_arn,
+                boot_dependencies=boot_dependencies,
                 tags=tags,
             ),
         )
 
     dashboard = settings.ray.dashboard_port
-    port_forward = pools["head"].asg_name.apply(
-        lambda asg: (
-            f'aws ssm start-session --region {region} --target "$(aws ec2 describe-instances '
-            f"--region {region} --filters Name=tag:aws:autoscaling:groupName,Values={asg} "
-            "Name=instance-state-name,Values=running "
-            "--query 'Reservations[0].Instances[0].InstanceId' --output text)\" "
-            "--document-name AWS-StartPortForwardingSession "
-            f'--parameters \'{{"portNumber":["{dashboard}"],"localPortNumber":["{dashboard}"]}}\''
+    ports = f'{{"portNumber":["{dashboard}"],"localPortNumber":["{dashboard}"]}}'
+    port_forward = None
+    if "head" in pools:
+        port_forward = pools["head"].asg_name.apply(
+            lambda asg: (
+                f'aws ssm start-session --region {region} --target "$(aws ec2 describe-instances '
+                f"--region {region} --filters Name=tag:aws:autoscaling:groupName,Values={asg} "
+                "Name=instance-state-name,Values=running "
+                "--query 'Reservations[0].Instances[0].InstanceId' --output text)\" "
+                "--document-name AWS-StartPortForwardingSession "
+                f"--parameters '{ports}'"
+            )
         )
-    )
     outputs: dict[str, Any] = {
         "headAddress": f"{head_fqdn}:{settings.ray.gcs_port}",
         "jobsApiPortForward": port_forward,
@@ -201,7 +251,14 @@ def main() -> dict[str, Any]:
         "efsId": storage.efs_id,
         "sharedMountPath": settings.storage.mount_path,
         "repositories": registry.repository_urls,
-        "image": repo_url.apply(lambda u: f"{u}:{settings.image.tag}"),
+        "image": (repo_url.apply(lambda u, t=image_tags.gpu: f"{u}:{t}") if image_tags else None),
+        "cpuImage": (
+            repo_url.apply(lambda u, t=image_tags.cpu: f"{u}:{t}")
+            if image_tags and image_tags.cpu
+            else None
+        ),
+        "ami": stack_ami,
+        "capacityAlertsTopic": alerts.topic_arn,
         "rayAuthTokenSecretArn": token.secret_arn if token else None,
         "summary": pool_summary(settings),
     }

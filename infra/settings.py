@@ -11,6 +11,7 @@ This module imports no Pulumi, so it is unit-testable and reusable by tools that
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -40,12 +41,16 @@ POOL_MARKETS: dict[str, Market] = {
 }
 
 # Ubuntu 22.04 Deep Learning Base AMI: NVIDIA driver, Docker, the NVIDIA container toolkit,
-# the AWS CLI and nfs-common preinstalled. EC2 resolves `resolve:ssm:` at launch, so a new
-# instance always gets the current patched image without a Pulumi lookup call.
-DEFAULT_AMI = (
-    "resolve:ssm:/aws/service/deeplearning/ami/x86_64/"
-    "base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+# the AWS CLI and nfs-common preinstalled. This SSM parameter always names AWS's newest build;
+# the program resolves it once and records the answer in the stack (components/ami.py), so
+# every node of a cluster, including replacements launched weeks later, runs the same driver.
+DEFAULT_AMI_PARAMETER = (
+    "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
 )
+
+# What `make push` writes (tools/image.py push): the exact trainer-gpu tag it pushed. Relative
+# paths are taken from infra/, so the default is the repository's build/image-tag.
+DEFAULT_TAG_FILE = "../build/image-tag"
 
 
 class _Model(BaseModel):
@@ -107,6 +112,10 @@ class StorageSettings(_Model):
     def _absolute(cls, value: str) -> str:
         if not value.startswith("/") or value == "/":
             raise ValueError("mountPath must be an absolute directory other than /")
+        # It is written into a systemd unit (RequiresMountsFor=) and fstab, which quote
+        # differently from bash: plain path characters only.
+        if not re.fullmatch(r"/[A-Za-z0-9._/-]+", value):
+            raise ValueError("mountPath may only contain letters, digits, '.', '_', '-' and '/'")
         return value.rstrip("/")
 
 
@@ -118,18 +127,24 @@ class RegistrySettings(_Model):
 
 
 class ImageSettings(_Model):
-    """Which image the nodes run. A tag is required: `latest` makes two nodes disagree."""
+    """Which image the nodes run: the exact tag `make push` produced, never a moving one.
+
+    `tag` wins; without it the tag is read from `tagFile` (what `make push` writes). With
+    neither, the stack creates everything but the node pools (the first `pulumi up`, which
+    makes the ECR repositories that `make push` needs).
+    """
 
     repository: str = "trainer"
-    tag: str
-    # The CPU (oneCCL) variant of the trainer image; defaults to "<tag>-cpu".
+    tag: str | None = None
+    tag_file: str = DEFAULT_TAG_FILE
+    # The CPU (oneCCL) variant; by default derived from `tag` (trainer-gpu-X -> trainer-cpu-X).
     cpu_tag: str | None = None
 
-    @field_validator("tag")
+    @field_validator("tag", "cpu_tag")
     @classmethod
-    def _not_latest(cls, value: str) -> str:
-        if value in {"", "latest"}:
-            raise ValueError("image.tag must be an explicit version, not 'latest'")
+    def _not_moving(cls, value: str | None) -> str | None:
+        if value is not None and (value in {"", "latest"} or value.endswith("-latest")):
+            raise ValueError(f"image tags must be exact, not {value!r} (a moving tag)")
         return value
 
 
@@ -186,9 +201,24 @@ class PoolSettings(_Model):
     root_volume_gib: int = Field(default=200, ge=50)
     labels: dict[str, str] = Field(default_factory=dict)
     resources: dict[str, float] = Field(default_factory=dict)
+    # gp3 beyond its 125 MB/s / 3000 IOPS baseline: image extraction (tens of GB per node) and
+    # checkpoint staging are bound by the root disk (~$0.04 per MB/s-month above baseline).
+    root_volume_throughput: int = Field(default=1000, ge=125, le=1000)
+    root_volume_iops: int = Field(default=6000, ge=3000, le=16000)
     num_cpus: int | None = Field(default=None, ge=0)
-    ami: str = DEFAULT_AMI
+    # An explicit AMI id for this pool; unset = the AMI the stack pinned (DEFAULT_AMI_PARAMETER).
+    ami: str | None = Field(default=None, pattern=r"^ami-[0-9a-f]{8,17}$")
     root_device_name: str = "/dev/sda1"
+
+    @model_validator(mode="after")
+    def _gp3_ratio(self) -> PoolSettings:
+        # AWS caps gp3 at 0.25 MB/s of throughput per provisioned IOPS.
+        if self.root_volume_throughput > self.root_volume_iops // 4:
+            raise ValueError(
+                f"rootVolumeThroughput {self.root_volume_throughput} needs rootVolumeIops >= "
+                f"{self.root_volume_throughput * 4} (gp3 allows 0.25 MB/s per IOPS)"
+            )
+        return self
 
     @field_validator("instance_types")
     @classmethod
@@ -253,7 +283,11 @@ class StackSettings(_Model):
     network: NetworkSettings = Field(default_factory=NetworkSettings)
     storage: StorageSettings = Field(default_factory=StorageSettings)
     registry: RegistrySettings = Field(default_factory=RegistrySettings)
-    image: ImageSettings
+    image: ImageSettings = Field(default_factory=ImageSettings)
+    ami_parameter: str = DEFAULT_AMI_PARAMETER
+    # An email address that receives the Auto Scaling groups' launch failures (no capacity,
+    # quota exceeded); unset = subscribe to the `capacityAlertsTopic` output yourself.
+    alert_email: str | None = Field(default=None, pattern=r"^[^@\s]+@[^@\s]+$")
     ray: RaySettings = Field(default_factory=RaySettings)
     pools: PoolsSettings
 

@@ -11,6 +11,56 @@ from typing import Any
 from infra.settings import POOL_MARKETS, StackSettings
 from trainer.catalog import load_catalog
 
+# EC2's vCPU quotas (Service Quotas, service code "ec2") by instance family and market. New
+# accounts often start low (G and VT on-demand and spot: 0 to 64 vCPUs is common) and a
+# request can take days, so the summary says what the stack needs and program.py compares it
+# with the account's real values at preview.
+QUOTAS: dict[tuple[str, str], tuple[str, str]] = {
+    ("G and VT", "on-demand"): ("L-DB2E81BA", "Running On-Demand G and VT instances"),
+    ("G and VT", "spot"): ("L-3819A6DF", "All G and VT Spot Instance Requests"),
+    ("X", "on-demand"): ("L-7295265B", "Running On-Demand X instances"),
+    ("X", "spot"): ("L-E3A00192", "All X Spot Instance Requests"),
+    ("Standard", "on-demand"): (
+        "L-1216C47A",
+        "Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances",
+    ),
+    ("Standard", "spot"): (
+        "L-34B43A08",
+        "All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests",
+    ),
+}
+
+
+def quota_class(instance_type: str) -> str:
+    """The vCPU quota an instance type counts against (by its family letter)."""
+    letter = instance_type[0]
+    if letter in "gv":
+        return "G and VT"
+    if letter == "x":
+        return "X"
+    return "Standard"
+
+
+def vcpu_needs(settings: StackSettings) -> dict[str, dict[str, Any]]:
+    """vCPUs each quota must allow, keyed by quota code. A spot pool counts its largest listed
+    type, since the allocation strategy may hand out any of them."""
+    catalog = load_catalog()
+    needs: dict[str, dict[str, Any]] = {}
+    for pool, spec in settings.pools.by_name().items():
+        if spec.size == 0:
+            continue
+        market = POOL_MARKETS[pool]
+        by_class: dict[str, int] = {}
+        for name in spec.instance_types:
+            cls = quota_class(name)
+            by_class[cls] = max(by_class.get(cls, 0), catalog.instances[name].vcpus)
+        for cls, vcpus in by_class.items():
+            code, title = QUOTAS[(cls, market)]
+            row = needs.setdefault(code, {"quota": title, "vcpus": 0, "pools": []})
+            row["vcpus"] += vcpus * spec.size
+            row["pools"].append(pool)
+    return dict(sorted(needs.items()))
+
 
 def pool_summary(settings: StackSettings) -> dict[str, Any]:
     """Per pool: market, types, node count, GPUs and estimated $/hour; plus cluster totals.
@@ -43,5 +93,6 @@ def pool_summary(settings: StackSettings) -> dict[str, Any]:
         "totalNodes": sum(p["nodes"] for p in pools.values()),
         "totalGpus": total_gpus,
         "totalUsdPerHour": round(total_usd, 3),
+        "vcpuQuotasNeeded": vcpu_needs(settings),
         "priceSource": f"trainer/catalog/instances.yaml ({catalog.region}, as of {catalog.as_of})",
     }

@@ -50,6 +50,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_GRAPH = REPO_ROOT / "images" / "graph.yaml"
 REGISTRY_ENV = "RAYLIFT_REGISTRY"
 PULUMI_REPOSITORIES_OUTPUT = "repositories"
+# `push` writes the exact tag of the GPU trainer image it pushed here; infra/ reads it
+# (raylift:image.tagFile, default ../build/image-tag) and derives the CPU tag from it.
+TAG_FILE = REPO_ROOT / "build" / "image-tag"
+TAG_FILE_IMAGE = "trainer-gpu"
 
 log = logging.getLogger("raylift.image")
 T = TypeVar("T")
@@ -885,6 +889,19 @@ def registry_from_repositories(output: str) -> str | None:
     return hosts.pop() if len(hosts) == 1 else None
 
 
+def write_tag_file(plan: Plan, path: Path) -> str | None:
+    """Record the trainer-gpu tag a push just pushed, for the stack to read; None (and the file
+    untouched) when this push did not include that image."""
+    image = next((i for i in plan.images if i.name == TAG_FILE_IMAGE), None)
+    if image is None:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(image.tags[0] + "\n", encoding="utf-8")
+    tmp.replace(path)  # atomic: the stack never reads half a tag
+    return image.tags[0]
+
+
 def run_push(
     plan: Plan,
     client: Any,
@@ -1358,6 +1375,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print what would be pushed")
     p.add_argument("--attempts", type=int, default=5, help="tries per tag on transient errors")
     p.add_argument("--allow-dirty", action="store_true", help="push a -dirty build anyway")
+    p.add_argument("--tag-file", type=Path, default=TAG_FILE,
+                   help="write the pushed trainer-gpu tag here, for infra/")  # fmt: skip
 
     p = sub.add_parser(
         "lock", parents=[_global_options(False)], help="regenerate or check the lock files"
@@ -1437,6 +1456,9 @@ def run(args: argparse.Namespace) -> int:
         for ref, digest in run_push(plan, docker_client(), region=args.region,
                                     attempts=args.attempts):  # fmt: skip
             out.write(f"pushed {ref}@{digest}\n")
+        tag = write_tag_file(plan, args.tag_file)
+        if tag:
+            out.write(f"wrote {tag} to {args.tag_file} (the stack's raylift:image.tagFile)\n")
         return 0
     if args.command == "lock":
         names = [args.only] if args.only else build_order(graph)

@@ -46,6 +46,8 @@ class Network(pulumi.ComponentResource):
     private_subnet_ids: list[pulumi.Output[str]]
     zone_id: pulumi.Output[str]
     zone_name: str
+    # What a node's first boot needs from the network: egress (NAT, routes) and the DNS zone.
+    boot_dependencies: list[pulumi.Resource]
 
     def __init__(
         self, name: str, args: NetworkArgs, opts: pulumi.ResourceOptions | None = None
@@ -56,6 +58,7 @@ class Network(pulumi.ComponentResource):
         tags = args.tags
         self.zone_name = f"{args.cluster_name}.raylift.internal"
         self.private_route_table_ids: list[pulumi.Output[str]] = []
+        self.boot_dependencies = []
 
         if s.existing_vpc_id is not None:
             assert s.existing_private_subnet_ids is not None  # enforced by NetworkSettings
@@ -68,7 +71,7 @@ class Network(pulumi.ComponentResource):
 
         # The S3 gateway endpoint needs route tables; with an existing VPC we don't own them.
         if self.private_route_table_ids:
-            aws.ec2.VpcEndpoint(
+            s3_endpoint = aws.ec2.VpcEndpoint(
                 f"{name}-s3",
                 vpc_id=self.vpc_id,
                 service_name=f"com.amazonaws.{args.region}.s3",
@@ -77,6 +80,7 @@ class Network(pulumi.ComponentResource):
                 tags={**tags, "Name": f"{args.cluster_name}-s3"},
                 opts=child,
             )
+            self.boot_dependencies.append(s3_endpoint)
 
         zone = aws.route53.Zone(
             f"{name}-zone",
@@ -89,6 +93,7 @@ class Network(pulumi.ComponentResource):
         )
         self.zone_id = zone.zone_id
         self.zone_arn = zone.arn
+        self.boot_dependencies.append(zone)
         self.register_outputs(
             {
                 "vpcId": self.vpc_id,
@@ -150,6 +155,7 @@ class Network(pulumi.ComponentResource):
                 opts=pulumi.ResourceOptions(parent=self, depends_on=[igw]),
             )
             nat_ids.append(nat.id)
+            self.boot_dependencies.append(nat)
 
         self.private_subnet_ids = []
         for i, az in enumerate(azs):
@@ -171,9 +177,10 @@ class Network(pulumi.ComponentResource):
                 tags={**tags, "Name": f"{args.cluster_name}-private-{az}"},
                 opts=child,
             )
-            aws.ec2.RouteTableAssociation(
+            association = aws.ec2.RouteTableAssociation(
                 f"{name}-private-{az}", subnet_id=subnet.id, route_table_id=rt.id, opts=child
             )
+            self.boot_dependencies += [rt, association]
             self.private_subnet_ids.append(subnet.id)
             self.private_route_table_ids.append(rt.id)
 

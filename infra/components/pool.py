@@ -5,6 +5,16 @@ reclaimed node, and the node's systemd unit rejoins the cluster on its own. Laun
 require IMDSv2 (SSRF in a training script can't steal the role's credentials with a plain GET)
 with hop limit 2 so the container, one network hop further, can still fetch credentials, and
 encrypt the root volume that holds images and local checkpoint staging.
+
+What the group must never do to a training cluster, and how it is kept from it:
+- boot nodes before what they need exists: the ASG depends on every boot dependency (routes,
+  NAT, mount targets, the token's value, the IAM policies), so the first boot never races them;
+- end healthy nodes to even out AZs: AZRebalance is suspended;
+- end a node on a mere rebalance recommendation: capacity rebalance is off (see infra/README.md);
+- end a worker without warning: a termination lifecycle hook (DRAIN_HOOK) holds it in
+  Terminating:Wait for up to DRAIN_TIMEOUT_S while the node agent drains Ray and completes it;
+- keep a node whose boot failed: its bootstrap marks it unhealthy and shuts down, and the
+  launch template's shutdown behaviour is `terminate`, so the group replaces it.
 """
 
 from __future__ import annotations
@@ -19,6 +29,17 @@ import pulumi_aws as aws
 
 from infra.settings import Market
 
+# The termination hook the node agent completes (its name is in each node's /etc/raylift/node.env).
+DRAIN_HOOK = "raylift-drain"
+# How long a terminating worker waits for the agent: enough to checkpoint and drain; a spot
+# interruption ends the instance after 120 s whatever the hook says.
+DRAIN_TIMEOUT_S = 300
+# Launch failures (no capacity in any listed type/AZ, vCPU quota exceeded) go to the alerts topic.
+CAPACITY_NOTIFICATIONS = [
+    "autoscaling:EC2_INSTANCE_LAUNCH_ERROR",
+    "autoscaling:EC2_INSTANCE_TERMINATE_ERROR",
+]
+
 
 @dataclass(frozen=True)
 class PoolArgs:
@@ -29,12 +50,17 @@ class PoolArgs:
     instance_types: Sequence[str]
     size: int
     root_volume_gib: int
+    root_volume_throughput: int
+    root_volume_iops: int
     root_device_name: str
-    ami: str
+    ami: pulumi.Input[str]
     subnet_ids: Sequence[pulumi.Input[str]]
     security_group_id: pulumi.Input[str]
     instance_profile_arn: pulumi.Input[str]
     user_data: pulumi.Input[str]
+    alerts_topic_arn: pulumi.Input[str]
+    # Resources that must exist before any instance of the pool boots.
+    boot_dependencies: Sequence[pulumi.Resource] = ()
     tags: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -77,6 +103,9 @@ class RayPool(pulumi.ComponentResource):
             instance_type=args.instance_types[0],
             iam_instance_profile={"arn": args.instance_profile_arn},
             vpc_security_group_ids=[args.security_group_id],
+            # A node whose bootstrap gives up shuts itself down; terminate (not stop) it, so
+            # the group launches a replacement instead of keeping a stopped instance.
+            instance_initiated_shutdown_behavior="terminate",
             metadata_options={
                 "http_endpoint": "enabled",
                 "http_tokens": "required",
@@ -89,6 +118,8 @@ class RayPool(pulumi.ComponentResource):
                     "ebs": {
                         "volume_size": args.root_volume_gib,
                         "volume_type": "gp3",
+                        "throughput": args.root_volume_throughput,
+                        "iops": args.root_volume_iops,
                         "encrypted": "true",
                         "delete_on_termination": "true",
                     },
@@ -116,12 +147,8 @@ class RayPool(pulumi.ComponentResource):
                     "overrides": [{"instance_type": t} for t in args.instance_types],
                 },
             }
-            # Start a replacement as soon as AWS signals elevated reclaim risk, before the
-            # two-minute notice, so the pool's GPU count dips for less time.
-            group_args["capacity_rebalance"] = True
         else:
             group_args["launch_template"] = lt_spec
-            group_args["capacity_rebalance"] = False
 
         asg = aws.autoscaling.Group(
             f"{name}-asg",
@@ -134,12 +161,36 @@ class RayPool(pulumi.ComponentResource):
             health_check_grace_period=600,
             # Don't make `pulumi up` wait for (possibly scarce) GPU capacity; the ASG keeps trying.
             wait_for_capacity_timeout="0",
+            # A rebalance recommendation often never becomes an interruption, and ending a
+            # worker restarts the whole training group: react to the real two-minute notice
+            # (the node agent checkpoints and drains), not to the recommendation.
+            capacity_rebalance=False,
+            # AZRebalance would end healthy training nodes just to even out the AZs.
+            suspended_processes=["AZRebalance"],
             tags=[
                 {"key": k, "value": v, "propagate_at_launch": True}
                 for k, v in sorted(node_tags.items())
             ],
-            opts=child,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=list(args.boot_dependencies)),
             **group_args,
+        )
+        if args.role == "worker":
+            aws.autoscaling.LifecycleHook(
+                f"{name}-drain",
+                name=DRAIN_HOOK,
+                autoscaling_group_name=asg.name,
+                lifecycle_transition="autoscaling:EC2_INSTANCE_TERMINATING",
+                heartbeat_timeout=DRAIN_TIMEOUT_S,
+                # No agent (or a dead one) must not keep a node forever: terminate at timeout.
+                default_result="CONTINUE",
+                opts=child,
+            )
+        aws.autoscaling.Notification(
+            f"{name}-capacity",
+            group_names=[asg.name],
+            notifications=CAPACITY_NOTIFICATIONS,
+            topic_arn=args.alerts_topic_arn,
+            opts=child,
         )
         self.asg_name = asg.name
         self.launch_template_id = lt.id

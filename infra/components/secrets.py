@@ -38,6 +38,8 @@ class RayToken(pulumi.ComponentResource):
     """A 64-character random token stored as a Secrets Manager secret."""
 
     secret_arn: pulumi.Output[str]
+    # The secret's value: a node that boots before it exists fetches nothing.
+    boot_dependencies: list[pulumi.Resource]
 
     def __init__(
         self, name: str, args: RayTokenArgs, opts: pulumi.ResourceOptions | None = None
@@ -54,11 +56,12 @@ class RayToken(pulumi.ComponentResource):
             tags=args.tags,
             opts=child,
         )
-        aws.secretsmanager.SecretVersion(
+        version = aws.secretsmanager.SecretVersion(
             f"{name}-version",
             secret_id=secret.id,
             secret_string=token.result,
             opts=child,
         )
         self.secret_arn = secret.arn
+        self.boot_dependencies = [version]
         self.register_outputs({"secretArn": secret.arn})

@@ -53,6 +53,8 @@ class Storage(pulumi.ComponentResource):
     bucket_name: pulumi.Output[str]
     bucket_arn: pulumi.Output[str]
     efs_id: pulumi.Output[str]
+    # The mount targets: a node that boots before its AZ's target exists cannot mount EFS.
+    boot_dependencies: list[pulumi.Resource]
 
     def __init__(
         self, name: str, args: StorageArgs, opts: pulumi.ResourceOptions | None = None
@@ -160,14 +162,16 @@ class Storage(pulumi.ComponentResource):
             opts=child,
         )
         # One mount target per subnet, so a node in any AZ mounts locally (no cross-AZ NFS).
+        self.boot_dependencies = []
         for i, subnet_id in enumerate(args.subnet_ids):
-            aws.efs.MountTarget(
+            target = aws.efs.MountTarget(
                 f"{name}-efs-{i}",
                 file_system_id=efs.id,
                 subnet_id=subnet_id,
                 security_groups=[args.efs_security_group_id],
                 opts=child,
             )
+            self.boot_dependencies.append(target)
 
         self.bucket_name = bucket.bucket
         self.bucket_arn = bucket.arn

@@ -16,9 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from infra.settings import RaySettings
+from infra.settings import Market, RaySettings
 
 TEMPLATE_PATH = Path(__file__).with_name("userdata.sh.tmpl")
+# The images' user (images/base/Dockerfile: `useradd --uid 1000`); it must own what it writes.
+CONTAINER_UID = 1000
+# Each boot step: 30 tries, 10 s apart (5 minutes), then the node gives up and is replaced.
+BOOT_ATTEMPTS = 30
+RETRY_DELAY_S = 10
 
 
 def sq(value: str) -> str:
@@ -38,6 +43,7 @@ class NodeBootstrap:
 
     role: Literal["head", "worker"]
     pool: str
+    market: Market
     cluster_name: str
     region: str
     efs_id: str
@@ -51,6 +57,8 @@ class NodeBootstrap:
     num_cpus: int | None = None
     token_secret_arn: str | None = None
     hosted_zone_id: str | None = None
+    # The termination lifecycle hook the node agent completes; None where the pool has none.
+    lifecycle_hook: str | None = None
 
 
 def format_labels(labels: Mapping[str, str]) -> str:
@@ -89,9 +97,17 @@ def render_user_data(node: NodeBootstrap) -> str:
     q = sq
     r = node.ray
     node_args = [] if node.num_cpus is None else [f"--num-cpus={node.num_cpus}"]
+    if not re.fullmatch(r"/[A-Za-z0-9._/-]+", node.mount_path):
+        raise ValueError(f"mount path {node.mount_path!r} cannot go into a systemd unit as is")
     values = {
         "ROLE": q(node.role),
         "POOL": q(node.pool),
+        "MARKET": q(node.market),
+        "CONTAINER_UID": str(CONTAINER_UID),
+        "LIFECYCLE_HOOK": q(node.lifecycle_hook or ""),
+        "BOOT_ATTEMPTS": str(BOOT_ATTEMPTS),
+        "RETRY_DELAY": str(RETRY_DELAY_S),
+        "UNIT_MOUNT_PATH": node.mount_path,
         "CLUSTER_NAME": q(node.cluster_name),
         "REGION": q(node.region),
         "EFS_ID": q(node.efs_id),

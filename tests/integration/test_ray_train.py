@@ -191,6 +191,23 @@ def test_worker_sigkill_resumes_from_newest_checkpoint_and_matches_uninterrupted
         torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0, msg=k)
 
 
+def test_resume_prefers_a_newer_complete_checkpoint_than_rays_own(ray_cluster, job):
+    """Ray registers only the checkpoints it saw reported; one that became complete in
+    storage without Ray (here: written by a torchrun run of the same run, as a worker
+    killed before the controller's poll also leaves one) is newer, and the resume must
+    take it instead of retraining from Ray's older one."""
+    from tests.helpers import torchrun
+
+    path = job("mixed")
+    run_to_end(ray_cluster, path, ["train.stop_at_step=4"])  # Ray knows step 4
+    res = torchrun(["-m", "trainer", "run", str(path), "--set", "train.stop_at_step=8"])
+    assert res.returncode == 0, res.stderr[-3000:]  # storage now has step 8, Ray does not
+    cfg, _, _ = run_to_end(ray_cluster, path)
+    records, steps, wasted = history(cfg)
+    assert [r["from_step"] for r in records if r.get("event") == "resume"] == [4, 8]
+    assert [r["step"] for r in steps] == list(range(1, 13)) and wasted == 0
+
+
 def test_s3_storage_checkpoints_and_resume(ray_cluster, job, s3_server):
     overrides = [
         f"storage.path=s3://{s3_server['bucket']}/runs",

@@ -172,3 +172,82 @@ def test_healthcheck_probes_ray_only_on_a_ray_node(stub_path) -> None:
     (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:6379")
     result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
     assert result.stdout.strip() == "ray health-check"
+
+
+# ---- DeepSpeed ops: compiled at build time, exactly the ones the training configs step with
+
+# The DeepSpeed setups the GPU image must run: the presets' ZeRO-3 with the optimizer offloaded
+# to CPU (Ray's Llama-2 template, infra/presets), and plain ZeRO on the GPU; plus every
+# DeepSpeed JSON config shipped in the repository.
+REFERENCE_DS_CONFIGS = [
+    {
+        "optimizer": {"type": "AdamW"},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    },
+    {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}},
+]
+
+
+def shipped_ds_configs() -> list[dict]:
+    import json
+
+    found = []
+    for path in REPO_ROOT.glob("**/*.json"):
+        if any(part.startswith(".") or part in {"build", "node_modules"} for part in path.parts):
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(data, dict) and "zero_optimization" in data:
+            found.append(data)
+    return found
+
+
+def ops_needed(config: dict, variant: str) -> set[str]:
+    """The compiled DeepSpeed op that steps this config's optimizer on this variant."""
+    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    optimizer = str((config.get("optimizer") or {}).get("type", "")).lower()
+    if offload.get("device") == "cpu" or variant == "cpu":
+        return {"cpu_adam"}
+    if optimizer in {"adam", "adamw"} and not (config.get("optimizer") or {}).get("torch_adam"):
+        return {"fused_adam"}
+    return set()
+
+
+def _stage(text: str, name: str) -> str:
+    parts = re.split(r"^(FROM .*)$", text, flags=re.MULTILINE)
+    for header, body in zip(parts[1::2], parts[2::2], strict=True):
+        if header.endswith(f" AS {name}"):
+            return header + body
+    raise AssertionError(f"no stage {name}")
+
+
+@pytest.mark.parametrize("variant", ["gpu", "cpu"])
+def test_deepspeed_ops_are_prebuilt_exactly_as_needed(graph, variant: str) -> None:
+    spec = graph.images[f"trainer-{variant}"]
+    needed = set().union(
+        *(ops_needed(c, variant) for c in REFERENCE_DS_CONFIGS + shipped_ds_configs())
+    )
+    assert set(spec.args["DS_PREBUILD_OPS"].split()) == needed
+    assert "cpu_adam" in needed  # ZeRO offload, which the presets rely on
+
+
+def test_deepspeed_wheel_is_built_with_a_compiler_and_only_the_wheel_ships(graph) -> None:
+    text = (REPO_ROOT / "images/trainer/Dockerfile").read_text()
+    build = _stage(text, "deepspeed-wheel")
+    assert build.startswith("FROM ${DS_BUILD_IMAGE} AS deepspeed-wheel")
+    # GPU: a CUDA -devel image (nvcc) of the same CUDA as the base image's torch.
+    cuda = graph.images["base-gpu"].args["CUDA_VERSION"]
+    gpu_build_image = graph.images["trainer-gpu"].args["DS_BUILD_IMAGE"]
+    assert gpu_build_image == f"nvidia/cuda:{cuda}-devel-ubuntu24.04"
+    assert graph.images["trainer-cpu"].args["DS_BUILD_IMAGE"] == "ubuntu:24.04"
+    # Each listed op is switched on for the build; nothing is left to JIT on the node.
+    assert "for op in ${DS_PREBUILD_OPS}" in build and 'export "DS_BUILD_$(echo' in build
+    assert "DS_BUILD_OPS=0 pip wheel" in build
+    runtime = _stage(text, "runtime")
+    assert "--no-binary=deepspeed" not in runtime, "the runtime must not build DeepSpeed again"
+    assert "from=deepspeed-wheel,source=/wheels" in runtime
+    assert "DS_BUILD_OPS=0" not in runtime
+    assert "g++" not in runtime and "nvcc" not in runtime
+    assert "installed_ops" in runtime  # the build fails if an op did not make it in

@@ -47,11 +47,16 @@ def test_children_declare_base_image_and_every_image_its_labels(tool, graph) -> 
             assert "BASE_IMAGE" in declared, spec.dockerfile
 
 
-def test_base_defaults_to_a_cuda_runtime_for_g5(graph) -> None:
+def test_base_is_the_small_cuda_flavour_for_g5(graph) -> None:
     # torch 2.13.0 from PyPI is built against CUDA 13.0; the base image must match the major.
-    assert graph.images["base-gpu"].args["CUDA_VERSION"].startswith("13.")
+    cuda = graph.images["base-gpu"].args["CUDA_VERSION"]
+    assert cuda.startswith("13.")
+    # torch's wheels carry cuBLAS/cuDNN/NCCL: the `base` flavour (cudart only), not `runtime`,
+    # whose copies of the same libraries only add gigabytes.
+    assert graph.images["base-gpu"].args["OS_IMAGE"] == f"nvidia/cuda:{cuda}-base-ubuntu24.04"
     text = (REPO_ROOT / "images/base/Dockerfile").read_text()
-    assert "ARG OS_IMAGE=nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04" in text
+    assert "ARG OS_IMAGE=nvidia/cuda:${CUDA_VERSION}-base-ubuntu24.04" in text
+    assert "-runtime-" not in text
 
 
 # ---- invalid graphs: each must fail with one line that names the problem

@@ -39,6 +39,8 @@ def test_full_plan_order_tags_and_args(tool, graph, git) -> None:
     assert trainer.build_args == {
         "BASE_IMAGE": f"{ECR}/raylift/bnb:bnb-0.1.0-0123456",
         "DS_ACCELERATOR": "cuda",
+        "DS_BUILD_IMAGE": "nvidia/cuda:13.0.2-devel-ubuntu24.04",
+        "DS_PREBUILD_OPS": "cpu_adam fused_adam",
         "LOCK_FILE": "images/trainer/requirements.lock",
         "SOURCE_URL": "https://example.invalid/raylift.git",
         "VCS_REF": SHA,

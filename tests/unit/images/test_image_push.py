@@ -390,3 +390,33 @@ def test_registry_resolution_order(tool) -> None:
     assert tool.resolve_registry(None, env, lambda: "pulumi") == "env.example"
     assert tool.resolve_registry(None, {}, lambda: "from.pulumi") == "from.pulumi"
     assert tool.resolve_registry(None, {}, lambda: None) is None
+
+
+def test_push_writes_the_tag_the_stack_reads(tool, graph, tmp_path) -> None:
+    """The file `make push` leaves behind names exactly the trainer-gpu tag it pushed, which
+    infra/ reads (raylift:image.tagFile) and derives the trainer-cpu tag from."""
+    git = tool.GitInfo(sha="abcdef0123456789abcdef0123456789abcdef01")
+    full = tool.make_plan(graph, version="0.1.0", git=git, registry=REGISTRY)
+    path = tmp_path / "build" / "image-tag"
+    assert tool.write_tag_file(full, path) == "trainer-gpu-0.1.0-abcdef0"
+    assert path.read_text() == "trainer-gpu-0.1.0-abcdef0\n"
+    cpu = next(i for i in full.images if i.name == "trainer-cpu")
+    assert cpu.tags[0] == "trainer-cpu-0.1.0-abcdef0"  # what infra/ derives from the file
+    # A push without the GPU trainer leaves the file alone.
+    only_ccl = tool.make_plan(graph, version="0.2.0", git=git, registry=REGISTRY, only="ccl")
+    assert tool.write_tag_file(only_ccl, path) is None
+    assert path.read_text() == "trainer-gpu-0.1.0-abcdef0\n"
+
+
+def test_infra_derives_the_cpu_tag_the_tool_produces(tool, graph) -> None:
+    import sys
+
+    sys.path.insert(0, str(tool.REPO_ROOT))
+    from infra.image_tags import cpu_tag_for
+
+    git = tool.GitInfo(sha="1234567890abcdef1234567890abcdef12345678")
+    tags = {
+        i.name: i.tags[0]
+        for i in tool.make_plan(graph, version="3.1.4", git=git, registry=REGISTRY).images
+    }
+    assert cpu_tag_for(tags["trainer-gpu"]) == tags["trainer-cpu"]

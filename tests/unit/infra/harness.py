@@ -14,6 +14,7 @@ Usage: python harness.py CONFIG.json [--entrypoint]
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,17 +25,27 @@ if not ENTRYPOINT:
     sys.path.insert(0, str(ROOT))
 
 import pulumi  # noqa: E402
+from pulumi.runtime.mocks import MockMonitor  # noqa: E402
 
 ACCOUNT = "123456789012"
 REGION = "us-east-1"
 AZS = ["us-east-1a", "us-east-1b", "us-east-1c", "us-east-1d", "us-east-1f"]
 
 
+# Tests that need an image to be missing from ECR name its tags under this config key; it is
+# taken out of the config before the program sees it.
+MISSING_IMAGES_KEY = "harness:missingImageTags"
+AMI = "ami-0123456789abcdef0"
+
+
 class Recorder(pulumi.runtime.Mocks):
     """Records every resource's real inputs and answers with plausible computed outputs."""
 
-    def __init__(self) -> None:
+    def __init__(self, missing_tags: list[str] | None = None) -> None:
         self.resources: list[dict[str, Any]] = []
+        self.invokes: list[dict[str, Any]] = []
+        self.options: dict[tuple[str, str], dict[str, list[str]]] = {}
+        self.missing_tags = set(missing_tags or [])
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs) -> tuple[str, dict]:
         inputs = dict(args.inputs)
@@ -69,13 +80,69 @@ class Recorder(pulumi.runtime.Mocks):
             state["arn"] = f"arn:aws:iam::{ACCOUNT}:instance-profile/{args.name}"
         elif typ.startswith("aws:"):
             state.setdefault("arn", f"arn:aws:mock:{REGION}:{ACCOUNT}:{args.name}")
-        self.resources.append({"type": typ, "name": args.name, "id": rid, "inputs": inputs})
+        options = self.options.get((typ, args.name), {})
+        self.resources.append(
+            {"type": typ, "name": args.name, "id": rid, "inputs": inputs, **options}
+        )
         return rid, state
 
-    def call(self, args: pulumi.runtime.MockCallArgs) -> dict:
+    def call(self, args: pulumi.runtime.MockCallArgs) -> dict | tuple[dict, list]:
+        self.invokes.append({"token": args.token, "args": _plain(dict(args.args))})
         if args.token == "aws:index/getAvailabilityZones:getAvailabilityZones":
             return {"names": AZS, "zoneIds": [f"use1-az{i}" for i in range(len(AZS))], "id": REGION}
+        if args.token == "aws:index/getCallerIdentity:getCallerIdentity":
+            return {"accountId": ACCOUNT, "arn": f"arn:aws:iam::{ACCOUNT}:user/t", "userId": "t"}
+        if args.token == "aws:ssm/getParameter:getParameter":
+            return {"name": args.args["name"], "value": AMI, "type": "String", "id": "p"}
+        if args.token == "aws:servicequotas/getServiceQuota:getServiceQuota":
+            # A young account: 64 vCPUs of everything.
+            return {"quotaCode": args.args["quotaCode"], "value": 64.0, "id": "q"}
+        if args.token == "aws:ecr/getImage:getImage":
+            tag = args.args.get("imageTag")
+            if tag in self.missing_tags:
+                # How the engine reports the provider's answer for a tag never pushed: a failed
+                # invoke, which the SDK raises at the call site.
+                return {}, [
+                    (
+                        "imageTag",
+                        f"ImageNotFoundException: The image with imageId {{imageTag:'{tag}'}} "
+                        "does not exist within the repository",
+                    )
+                ]
+            return {
+                "imageDigest": "sha256:" + "ab" * 32,
+                "imageTags": [tag],
+                "repositoryName": args.args["repositoryName"],
+                "id": "img",
+            }
         raise NotImplementedError(f"unmocked invoke {args.token}")
+
+
+class RecordingMonitor(MockMonitor):
+    """The mock monitor, plus what `new_resource` cannot see: each resource's dependencies
+    (explicit depends_on and input dependencies, as resource names) and ignoreChanges."""
+
+    def __init__(self, mocks: Recorder) -> None:
+        super().__init__(mocks)
+        self.recorder = mocks
+
+    def RegisterResource(self, request: Any) -> Any:
+        self.recorder.options[(request.type, request.name)] = {
+            "dependsOn": sorted({urn.rsplit("::", 1)[-1] for urn in request.dependencies}),
+            "ignoreChanges": list(request.ignoreChanges),
+        }
+        return super().RegisterResource(request)
+
+
+class WarningLog(logging.Handler):
+    """Collects what the program logs through pulumi.log (warnings reach the user at preview)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def _plain(value: Any) -> Any:
@@ -90,8 +157,20 @@ def _plain(value: Any) -> Any:
 
 
 def run(config: dict[str, Any]) -> dict[str, Any]:
-    recorder = Recorder()
-    pulumi.runtime.set_mocks(recorder, project="raylift", stack="test", preview=False)
+    config = dict(config)
+    recorder = Recorder(config.pop(MISSING_IMAGES_KEY, None))
+    logger = logging.getLogger("raylift-harness")
+    logger.propagate = False
+    warnings = WarningLog()
+    logger.addHandler(warnings)
+    pulumi.runtime.set_mocks(
+        recorder,
+        project="raylift",
+        stack="test",
+        preview=False,
+        logger=logger,
+        monitor=RecordingMonitor(recorder),
+    )
     pulumi.runtime.set_all_config(
         {k: v if isinstance(v, str) else json.dumps(v) for k, v in config.items()}
     )
@@ -116,7 +195,12 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
             return pulumi.Output.from_input(main()).apply(captured.update)
 
     program()
-    return {"resources": _plain(recorder.resources), "outputs": _plain(captured)}
+    return {
+        "resources": _plain(recorder.resources),
+        "outputs": _plain(captured),
+        "invokes": recorder.invokes,
+        "warnings": warnings.messages,
+    }
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import json
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -31,9 +31,17 @@ LT = "aws:ec2/launchTemplate:LaunchTemplate"
 ASG = "aws:autoscaling/group:Group"
 
 
-def stack_file_config(path: Path) -> dict[str, Any]:
-    """The flat `config:` map of a Pulumi stack file, as the CLI would hand it to the program."""
-    return dict(yaml.safe_load(path.read_text())["config"])
+# The tag `make push` would have written; tests never read the checkout's build/image-tag.
+PUSHED_TAG = "trainer-gpu-0.1.0-abcdef0"
+
+
+def stack_file_config(path: Path, tag: str | None = PUSHED_TAG) -> dict[str, Any]:
+    """The flat `config:` map of a Pulumi stack file, as the CLI would hand it to the program,
+    with the image tag a `make push` would have produced (None: leave the file's own)."""
+    config = dict(yaml.safe_load(path.read_text())["config"])
+    if tag is not None:
+        config["raylift:image"] = {**config.get("raylift:image", {}), "tag": tag}
+    return config
 
 
 def parse_ray_start(user_data: str) -> dict[str, Any]:
@@ -99,6 +107,8 @@ class Pool:
 class Stack:
     resources: list[dict[str, Any]]
     outputs: dict[str, Any]
+    invokes: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     def of_type(self, typ: str) -> list[dict[str, Any]]:
         return [r for r in self.resources if r["type"] == typ]
@@ -142,7 +152,12 @@ def _run(config: dict[str, Any], tmp_dir: Path, *extra_args: str) -> Stack:
     if proc.returncode != 0:
         raise RuntimeError(f"program failed under mocks:\n{proc.stderr[-4000:]}")
     data = json.loads(proc.stdout)
-    return Stack(resources=data["resources"], outputs=data["outputs"])
+    return Stack(
+        resources=data["resources"],
+        outputs=data["outputs"],
+        invokes=data["invokes"],
+        warnings=data["warnings"],
+    )
 
 
 class StackRunner:
@@ -174,7 +189,7 @@ FULL_CONFIG: dict[str, Any] = {
     "aws:region": "us-east-1",
     "raylift:clusterName": "full",
     "raylift:network": {"azCount": 3, "natGateway": "per-az", "interfaceEndpoints": True},
-    "raylift:image": {"tag": "1.2.3"},
+    "raylift:image": {"tag": "trainer-gpu-1.2.3-abcdef0"},
     "raylift:pools": {
         "head": {"instanceTypes": ["m5.2xlarge"]},
         "gpuOnDemand": {"instanceTypes": ["g5.12xlarge"], "size": 2},

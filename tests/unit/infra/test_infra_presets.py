@@ -81,3 +81,26 @@ def test_rank0_node_fits_gathered_model(
     world = REFERENCE_GPUS[preset]
     need_gb = (4 * params + spec.gpu_count * 16 * params / world) / 1e9 * 1.2
     assert spec.ram_gib * 1.073741824 >= need_gb, (spec.name, need_gb)
+
+
+# vCPUs per EC2 quota each preset needs (spot pools counted at their largest listed type); the
+# README's "vCPU quotas and capacity" section quotes these figures.
+PRESET_QUOTAS = {
+    "7b": {"L-3819A6DF": 15 * 32, "L-DB2E81BA": 32, "L-1216C47A": 4},
+    "13b": {"L-3819A6DF": 15 * 64, "L-DB2E81BA": 64, "L-1216C47A": 4},
+    "70b": {"L-DB2E81BA": 4 * 192, "L-1216C47A": 8},
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESET_QUOTAS))
+def test_preset_vcpu_quotas_are_reported(run_stack: StackRunner, preset: str) -> None:
+    stack = run_stack(stack_file_config(INFRA / "presets" / f"{preset}.yaml"))
+    needs = stack.outputs["summary"]["vcpuQuotasNeeded"]
+    assert {code: row["vcpus"] for code, row in needs.items()} == PRESET_QUOTAS[preset]
+    readme = (INFRA / "README.md").read_text().replace("\n", " ")
+    gpu_vcpus = PRESET_QUOTAS[preset].get("L-3819A6DF") or PRESET_QUOTAS[preset]["L-DB2E81BA"]
+    assert (
+        f"{preset} preset needs {gpu_vcpus}" in readme or f"{preset} preset {gpu_vcpus}" in readme
+    )
+    # The preview warns where the (mocked, 64-vCPU) account quota is too low.
+    assert any(str(gpu_vcpus) + " vCPUs" in w for w in stack.warnings)

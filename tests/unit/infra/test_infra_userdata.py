@@ -10,15 +10,14 @@ from pathlib import Path
 
 import pytest
 from infra_stack import parse_ray_start
+from node_stubs import IMAGE, inner_start_script, node, run_script
 
 from infra.components.userdata import (
     TEMPLATE_PATH,
-    NodeBootstrap,
     format_labels,
     format_resources,
     render_user_data,
 )
-from infra.settings import RaySettings
 
 
 def _shellcheck() -> str:
@@ -28,34 +27,6 @@ def _shellcheck() -> str:
     return found
 
 
-def node(role: str, **overrides) -> NodeBootstrap:
-    base = dict(
-        role=role,
-        pool="head" if role == "head" else "gpu-spot",
-        cluster_name="demo",
-        region="us-east-1",
-        efs_id="fs-0123456789abcdef0",
-        mount_path="/mnt/shared",
-        image="123456789012.dkr.ecr.us-east-1.amazonaws.com/raylift/trainer:0.1.0",
-        head_fqdn="head.demo.raylift.internal",
-        ray=RaySettings(),
-        use_gpus=role != "head",
-        labels={"pool": "gpu-spot", "market": "spot"} if role != "head" else {"pool": "head"},
-        resources={} if role == "head" else {"large_cpu_mem": 1},
-        num_cpus=0 if role == "head" else None,
-        token_secret_arn="arn:aws:secretsmanager:us-east-1:123456789012:secret:demo-AbCdEf",
-        hosted_zone_id="Z0123456789" if role == "head" else None,
-    )
-    base.update(overrides)
-    return NodeBootstrap(**base)
-
-
-def _inner_start_script(script: str) -> str:
-    match = re.search(r"<<'RAYLIFT_RAY'\n(.*?)\nRAYLIFT_RAY\n", script, flags=re.S)
-    assert match, "start script heredoc not found"
-    return match.group(1)
-
-
 @pytest.mark.parametrize("role", ["head", "worker"])
 def test_rendered_script_passes_shellcheck(role: str, tmp_path: Path) -> None:
     script = render_user_data(node(role))
@@ -63,7 +34,7 @@ def test_rendered_script_passes_shellcheck(role: str, tmp_path: Path) -> None:
     outer = tmp_path / f"{role}.sh"
     outer.write_text(script)
     inner = tmp_path / f"{role}-ray.sh"
-    inner.write_text(_inner_start_script(script))  # the heredoc is opaque to the outer check
+    inner.write_text(inner_start_script(script))  # the heredoc is opaque to the outer check
     for path in (outer, inner):
         proc = subprocess.run(
             [_shellcheck(), "--severity=style", str(path)], capture_output=True, text=True
@@ -109,8 +80,13 @@ def test_head_publishes_dns_and_workers_do_not() -> None:
 
 
 def test_values_are_shell_quoted() -> None:
-    script = render_user_data(node("worker", mount_path="/mnt/my shared"))
-    assert "MOUNT_PATH='/mnt/my shared'\n" in script
+    script = render_user_data(node("worker", efs_id="fs-1 2;x'y"))
+    assert "EFS_ID='fs-1 2;x'\"'\"'y'\n" in script
+
+
+def test_mount_path_must_be_plain_for_the_systemd_unit() -> None:
+    with pytest.raises(ValueError, match="systemd unit"):
+        render_user_data(node("worker", mount_path="/mnt/my shared"))
 
 
 def test_labels_reject_shell_syntax() -> None:
@@ -132,51 +108,73 @@ def test_template_is_a_file_with_only_known_placeholders() -> None:
     assert text.startswith("#!/bin/bash\n")
 
 
-def _stub_bin(tmp_path: Path) -> tuple[Path, Path]:
-    """Fake `aws` and `docker` on PATH that record their arguments instead of acting."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    log = tmp_path / "calls.log"
-    for tool in ("aws", "docker"):
-        stub = bin_dir / tool
-        stub.write_text(
-            f'#!/bin/bash\nprintf "%s\\0" {tool} "$@" >>"{log}"\nprintf "\\n" >>"{log}"\n'
-        )
-        stub.chmod(0o755)
-    return bin_dir, log
-
-
-def _run_start_script(script: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, list]:
-    bin_dir, log = _stub_bin(tmp_path)
-    start = tmp_path / "raylift-ray"
-    start.write_text(_inner_start_script(script))
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
-    proc = subprocess.run(["bash", str(start)], env=env, capture_output=True, text=True)
-    calls = [
-        [arg for arg in line.split("\0") if arg]
-        for line in (log.read_text().split("\n") if log.exists() else [])
-        if line.strip("\0")
-    ]
-    return proc, calls
-
-
-@pytest.mark.skipif(Path("/etc/raylift").exists(), reason="this machine is a Raylift node")
 def test_start_script_fails_closed_without_token(tmp_path: Path) -> None:
-    proc, calls = _run_start_script(render_user_data(node("worker")), tmp_path)
-    assert proc.returncode == 1
-    assert "token auth is on" in proc.stderr
-    assert not any(c[:2] == ["docker", "run"] for c in calls), "Ray must not start unauthenticated"
+    run = run_script(inner_start_script(render_user_data(node("worker"))), tmp_path, mounted=True)
+    assert run.proc.returncode == 1
+    assert "token auth is on" in run.proc.stderr
+    assert not run.docker_runs(), "Ray must not start unauthenticated"
 
 
 def test_start_script_runs_ray_in_the_image(tmp_path: Path) -> None:
     script = render_user_data(node("worker", token_secret_arn=None))
-    proc, calls = _run_start_script(script, tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    (run,) = [c for c in calls if c[:2] == ["docker", "run"]]
-    image = "123456789012.dkr.ecr.us-east-1.amazonaws.com/raylift/trainer:0.1.0"
-    at = run.index(image)
-    assert run[at + 1 : at + 4] == ["ray", "start", "--block"]
-    assert "--gpus" in run[:at] and "--network" in run[:at]
-    assert "--labels=market=spot,pool=gpu-spot" in run
-    assert "--address=head.demo.raylift.internal:6379" in run
-    assert ["aws", "ecr", "get-login-password", "--region", "us-east-1"] in calls
+    run = run_script(inner_start_script(script), tmp_path, mounted=True)
+    assert run.proc.returncode == 0, run.proc.stderr
+    (args,) = run.docker_runs()
+    at = args.index(IMAGE)
+    assert args[at + 1 : at + 4] == ["ray", "start", "--block"]
+    assert "--gpus" in args[:at] and "--network" in args[:at]
+    assert "--labels=market=spot,pool=gpu-spot" in args
+    assert "--address=head.demo.raylift.internal:6379" in args
+    # The image was not there (docker image inspect fails in the stub): log in, then pull.
+    assert ["aws", "ecr", "get-login-password", "--region", "us-east-1"] in run.calls
+    assert ["docker", "pull", IMAGE] in run.calls
+    assert not any("RAY_AUTH_MODE=token" in a for a in args), "token auth is off here"
+
+
+def _opt_values(args: list[str], flag: str) -> list[str]:
+    return [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
+
+
+def test_start_script_token_on_path(tmp_path: Path) -> None:
+    """Token auth on and the token present: Ray runs with the token mode and the file mounted."""
+    script = render_user_data(node("worker"))
+    token = tmp_path / "root" / "etc" / "raylift" / "ray-auth-token"
+    token.parent.mkdir(parents=True)
+    token.write_text("t" * 64)
+    run = run_script(inner_start_script(script), tmp_path, mounted=True)
+    assert run.proc.returncode == 0, run.proc.stderr
+    (args,) = run.docker_runs()
+    envs = _opt_values(args[: args.index(IMAGE)], "-e")
+    assert "RAY_AUTH_MODE=token" in envs
+    assert "RAY_AUTH_TOKEN_PATH=/run/secrets/ray-auth-token" in envs
+    assert f"{token}:/run/secrets/ray-auth-token:ro" in _opt_values(args, "-v")
+
+
+def test_start_script_keeps_logs_and_caches_on_the_host(tmp_path: Path) -> None:
+    script = render_user_data(node("worker", token_secret_arn=None))
+    run = run_script(inner_start_script(script), tmp_path, mounted=True)
+    (args,) = run.docker_runs()
+    volumes = _opt_values(args, "-v")
+    root = tmp_path / "root"
+    assert f"{root}/var/lib/raylift/ray:/tmp/ray" in volumes
+    assert f"{root}/var/lib/raylift/cache:/home/raylift/.cache" in volumes
+    assert "/mnt/shared:/mnt/shared" in volumes
+    assert _opt_values(args, "--env-file") == [f"{root}/etc/raylift/node.env"]
+
+
+def test_start_script_refuses_to_run_without_efs(tmp_path: Path) -> None:
+    script = render_user_data(node("worker", token_secret_arn=None))
+    run = run_script(inner_start_script(script), tmp_path, mounted=False)
+    assert run.proc.returncode == 1
+    assert "/mnt/shared is not mounted" in run.proc.stderr
+    assert not run.docker_runs(), "Ray must not start with checkpoints going to the root disk"
+
+
+def test_cpu_node_never_asks_for_the_nvidia_runtime(tmp_path: Path) -> None:
+    script = render_user_data(node("head", token_secret_arn=None, use_gpus=False))
+    run = run_script(inner_start_script(script), tmp_path, mounted=True)
+    (args,) = run.docker_runs()
+    before_image = args[: args.index(IMAGE)]
+    assert "--gpus" not in before_image
+    assert "--runtime=runc" in before_image
+    assert "NVIDIA_VISIBLE_DEVICES=void" in _opt_values(before_image, "-e")
