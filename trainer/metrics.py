@@ -20,6 +20,7 @@ from trainer.storage import Location
 
 log = logging.getLogger(__name__)
 
+
 def mfu(num_params: int, tokens_per_s_per_device: float, peak: float | None) -> float | None:
     """Model FLOPs utilisation with the 6·N FLOPs-per-token estimate (forward + backward)."""
     if peak is None or peak <= 0:

@@ -871,3 +871,46 @@ def format_plan(p: Plan) -> str:
         lines += ["", "no catalog layout fits this job at up to 64 workers"]
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- shared CLI arguments
+
+
+def add_arguments(p: Any) -> None:
+    """The planner's options, shared by `python -m trainer plan`, tools/plan.py and submit."""
+    p.add_argument("--instance", help="worker pool instance type (catalog name), e.g. g5.xlarge")
+    p.add_argument(
+        "--rank0-instance",
+        help="instance type of rank 0's large_cpu_mem node (default: the pool's type)",
+    )
+    p.add_argument("--ranks-per-node", type=int, help="default: the instance's GPU count")
+    p.add_argument("--params", type=float, help="parameter count instead of config.json")
+    p.add_argument("--tokens-per-epoch", type=float, help="tokens in one epoch")
+    p.add_argument("--tokens-per-s", type=float, help="measured cluster throughput")
+    p.add_argument(
+        "--mfu",
+        type=float,
+        help=f"assumed MFU (default {DEFAULT_MFU}, {OFFLOAD_MFU} with CPU offload)",
+    )
+
+
+def plan_from_args(cfg: JobConfig, args: Any) -> Plan:
+    def read_text(uri: str) -> str:
+        from trainer.storage import read_text as read  # pyarrow: only for s3:// models
+
+        return read(uri, cfg.storage.endpoint_override, cfg.storage.region)
+
+    try:
+        return plan_job(
+            cfg,
+            args.instance,
+            rank0_instance=args.rank0_instance,
+            params=int(args.params) if args.params else None,
+            ranks_per_node=args.ranks_per_node,
+            tokens_per_epoch=int(args.tokens_per_epoch) if args.tokens_per_epoch else None,
+            tokens_per_s=args.tokens_per_s,
+            mfu=args.mfu,
+            read_text=read_text,
+        )
+    except KeyError as exc:  # an instance type the catalog does not have
+        raise UserError(str(exc.args[0])) from None
