@@ -47,6 +47,12 @@ OFFLOAD_MFU = 0.15
 reference run gets: 7B, ZeRO-3 + offload, 16×A10G, 3.5M tokens in ~14 min."""
 
 Verdict = Literal["fits", "tight", "does not fit"]
+
+
+class ShapeUnavailable(UserError):
+    """The model's config.json cannot be read from here (pass a parameter count)."""
+
+
 _ORDER: dict[str, int] = {"fits": 0, "tight": 1, "does not fit": 2}
 
 
@@ -177,12 +183,12 @@ def shape_for_job(cfg: JobConfig, read_text: Any = None) -> ModelShape:
     src = cfg.model.path.rstrip("/") + "/config.json"
     if cfg.model.path.startswith("s3://"):
         if read_text is None:
-            raise UserError(f"{src}: not readable here; pass --params to plan without it")
+            raise ShapeUnavailable(f"{src}: not readable here; pass --params to plan without it")
         text = read_text(src)
     else:
         path = Path(src).expanduser()
         if not path.is_file():
-            raise UserError(f"{path}: not found; pass --params to plan without it")
+            raise ShapeUnavailable(f"{path}: not found; pass --params to plan without it")
         text = path.read_text()
     try:
         shape = ModelShape.from_hf_config(json.loads(text), src)
@@ -914,3 +920,24 @@ def plan_from_args(cfg: JobConfig, args: Any) -> Plan:
         )
     except KeyError as exc:  # an instance type the catalog does not have
         raise UserError(str(exc.args[0])) from None
+
+
+def submit_refusal(cfg: JobConfig, args: Any) -> str | None:
+    """What `tools/submit.py` prints instead of submitting: the plan's table when the job
+    will not fit, else None. A model whose config.json is not readable from here (a
+    shared-FS path on the cluster) is not planned, and not refused: preflight on the
+    cluster still checks it exists."""
+    import logging
+
+    try:
+        p = plan_from_args(cfg, args)
+    except ShapeUnavailable as exc:
+        logging.getLogger("raylift.plan").info("plan: skipped (%s)", exc)
+        return None
+    if not p.refused:
+        return None
+    return (
+        format_plan(p)
+        + "\nerror: the planner says this job will not fit (table above); change the "
+        "layout or the job, or pass --force to submit anyway"
+    )
