@@ -502,6 +502,8 @@ class NodeCheck:
     host_verdict: Verdict
     usd_per_hour: float
     spot_usd_per_hour: float
+    large_cpu_mem: bool = False
+    """Rank 0's own node type (the large_cpu_mem pool), bought on demand."""
 
     @property
     def verdict(self) -> Verdict:
@@ -528,7 +530,7 @@ class Layout:
     def spot_usd_per_hour(self) -> float:
         """Worker pools on spot; rank 0's large_cpu_mem node stays on demand (infra)."""
         return sum(
-            x.count * (x.usd_per_hour if x.rank0 and len(self.nodes) > 1 else x.spot_usd_per_hour)
+            x.count * (x.usd_per_hour if x.large_cpu_mem else x.spot_usd_per_hour)
             for x in self.nodes
         )
 
@@ -619,6 +621,7 @@ def layout(
                 host_verdict=verdict(need, inst.ram_gib * GIB),
                 usd_per_hour=inst.on_demand_usd_per_hour,
                 spot_usd_per_hour=inst.spot_usd_per_hour,
+                large_cpu_mem=rank0_here and len(groups) > 1,
             )
             _merge_node(nodes, check)
             if left == 0:
