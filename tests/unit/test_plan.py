@@ -356,3 +356,9 @@ def test_submit_refuses_a_job_that_will_not_fit_before_any_request(tmp_path, cap
     rc = submit.main([job, "--address", address, "--instance", "g5.xlarge", "--force"])
     err = capsys.readouterr().err
     assert rc == 2 and "will not fit" not in err and "cannot reach" in err
+
+
+def test_flops_per_token_for_full_training_adapters_and_recompute():
+    assert P.flops_per_token(L7, Setup("ddp")) == 6 * M  # 2·M forward + 4·M backward
+    assert P.flops_per_token(L7, Setup("ddp", adapter="lora")) == 4 * M  # no weight grads
+    assert P.flops_per_token(L7, Setup("fsdp", checkpointing=True)) == 8 * M  # + a forward
