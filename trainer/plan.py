@@ -50,7 +50,8 @@ Verdict = Literal["fits", "tight", "does not fit"]
 
 
 class ShapeUnavailable(UserError):
-    """The model's config.json cannot be read from here (pass a parameter count)."""
+    """An input the plan needs (the model's config.json, a DeepSpeed JSON) cannot be read
+    from here; submit then skips the plan instead of refusing."""
 
 
 _ORDER: dict[str, int] = {"fits": 0, "tight": 1, "does not fit": 2}
@@ -250,6 +251,9 @@ class Setup:
         elif isinstance(s, DeepSpeedOptions):
             from trainer import dsconfig
 
+            path = dsconfig.config_path(s.config)
+            if not path.is_file():
+                raise ShapeUnavailable(f"strategy.config {path}: not readable here")
             raw, _ = dsconfig.load(s.config)
             zero = raw.get("zero_optimization", {})
             name = f"zero{int(zero.get('stage', 0))}"

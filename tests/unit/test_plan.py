@@ -362,3 +362,23 @@ def test_flops_per_token_for_full_training_adapters_and_recompute():
     assert P.flops_per_token(L7, Setup("ddp")) == 6 * M  # 2·M forward + 4·M backward
     assert P.flops_per_token(L7, Setup("ddp", adapter="lora")) == 4 * M  # no weight grads
     assert P.flops_per_token(L7, Setup("fsdp", checkpointing=True)) == 8 * M  # + a forward
+
+
+def test_submit_skips_the_plan_when_its_inputs_are_only_on_the_cluster(tmp_path, caplog):
+    import argparse
+
+    cfg = load_config(_job(tmp_path, strategy={"name": "deepspeed", "config": "/efs/ds.json"}))
+    args = argparse.Namespace(
+        instance="g5.xlarge",
+        rank0_instance=None,
+        params=None,
+        ranks_per_node=None,
+        tokens_per_epoch=None,
+        tokens_per_s=None,
+        mfu=None,
+    )
+    with caplog.at_level("INFO"):
+        assert P.submit_refusal(cfg, args) is None
+    assert "plan: skipped" in caplog.text and "/efs/ds.json" in caplog.text
+    cfg = load_config(_job(tmp_path, model={"path": str(tmp_path / "elsewhere")}))
+    assert P.submit_refusal(cfg, args) is None
