@@ -1,37 +1,301 @@
-"""Helpers for the benchmarks (run with `make bench`, never in `make test`). Each
-benchmark writes build/bench/<name>.json and a PNG, Raylift and its baseline side by side."""
+"""The harness every benchmark uses (run with `make bench`, never in `make test`).
+
+A benchmark names its commands (callables that make one measurement and return its
+figures) and its checks (a figure computed from one round of those, and its target).
+The harness then:
+
+- runs the commands interleaved, round by round (A, B, A, B, A, B), so a slow spell on a
+  shared machine lands on every command instead of on whichever happened to run during it;
+- computes each check per round (A and B of the same round are paired), and reports the
+  median and the spread (max - min) over the rounds;
+- writes build/bench/<name>.json and build/bench/<name>.png;
+- prints one line per check: figure, target, PASS or MISS;
+- and only then raises `TargetMissed` if any check missed, so `make bench` exits non-zero
+  with the evidence already on disk.
+
+A new benchmark is a few lines:
+
+    run_benchmark(
+        "recovery",
+        title="Time to resume after a worker is killed",
+        commands={"raylift": lambda i: {"seconds": kill_and_time(i)}},
+        checks=[Check("recovery_s", lambda r: r["raylift"]["seconds"], 60, higher_is_better=False)],
+        metric="seconds",
+    )
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "build" / "bench"
+REPEATS_ENV = "RAYLIFT_BENCH_REPEATS"
+MIN_REPEATS = 3
+
+Sample = dict[str, float]  # one command's figures from one run
+Round = dict[str, Sample]  # every command's sample from one round
+Command = Callable[[int], Mapping[str, float]]  # takes the round index (for unique run names)
 
 
-def write_result(name: str, result: dict[str, Any]) -> Path:
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / f"{name}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"\n{name}: {json.dumps(result, indent=2)}\n→ {path}")
-    return path
+class TargetMissed(AssertionError):
+    """A benchmark missed a target. An AssertionError, so pytest reports a failed test."""
 
 
-def bar_chart(name: str, title: str, labels: list[str], values: list[float], unit: str) -> Path:
+def env_int(name: str, default: int, minimum: int = 1) -> int:
+    """A size or count from the environment, so a busy machine can run a smaller benchmark
+    (and a quiet one more repeats) without editing the file."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a whole number ≥ {minimum}") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value}: must be ≥ {minimum}")
+    return value
+
+
+def repeats() -> int:
+    """Rounds per benchmark: RAYLIFT_BENCH_REPEATS, default 3. Fewer than 3 gives no
+    spread worth reporting, so it is refused rather than silently accepted."""
+    return env_int(REPEATS_ENV, MIN_REPEATS, minimum=MIN_REPEATS)
+
+
+@dataclass(frozen=True)
+class Stats:
+    values: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def low(self) -> float:
+        return min(self.values)
+
+    @property
+    def high(self) -> float:
+        return max(self.values)
+
+    @property
+    def spread(self) -> float:
+        return self.high - self.low
+
+    @property
+    def relative_spread(self) -> float:
+        return self.spread / abs(self.median) if self.median else math.inf
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "median": self.median,
+            "min": self.low,
+            "max": self.high,
+            "spread": self.spread,
+            "relative_spread": self.relative_spread,
+            "n": len(self.values),
+            "values": list(self.values),
+        }
+
+    def describe(self) -> str:
+        return (
+            f"{fmt(self.median)} (median of {len(self.values)}; spread {fmt(self.spread)}, "
+            f"{fmt(self.low)}–{fmt(self.high)})"
+        )
+
+
+@dataclass(frozen=True)
+class Check:
+    """A figure computed from one round and the target its median must meet. A check
+    without a target is reported, never judged."""
+
+    name: str
+    figure: Callable[[Round], float]
+    target: float | None = None
+    higher_is_better: bool = True
+    unit: str = ""
+
+    @property
+    def op(self) -> str:
+        return "≥" if self.higher_is_better else "≤"
+
+    def passes(self, value: float) -> bool | None:
+        """None when there is no target. NaN never passes."""
+        if self.target is None:
+            return None
+        if math.isnan(value):
+            return False
+        return value >= self.target if self.higher_is_better else value <= self.target
+
+
+def fmt(x: float) -> str:
+    if math.isnan(x) or math.isinf(x):
+        return str(x)
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
+
+
+def interleave(
+    commands: Mapping[str, Command], rounds: int, log: Callable[[str], None] = print
+) -> list[Round]:
+    """Run every command once per round, in the given order, `rounds` times:
+    A, B, A, B, ... never A, A, B, B."""
+    if not commands:
+        raise ValueError("a benchmark needs at least one command")
+    out: list[Round] = []
+    for i in range(rounds):
+        this: Round = {}
+        for name, command in commands.items():
+            log(f"[round {i + 1}/{rounds}] {name} …")
+            t0 = time.perf_counter()
+            this[name] = {k: float(v) for k, v in command(i).items()}
+            log(f"[round {i + 1}/{rounds}] {name} done in {time.perf_counter() - t0:.1f}s")
+        out.append(this)
+    return out
+
+
+def summarize(rounds: Sequence[Round]) -> dict[str, dict[str, Stats]]:
+    """Stats per command and figure, over the rounds."""
+    names = list(rounds[0])
+    return {
+        name: {key: Stats(tuple(r[name][key] for r in rounds)) for key in rounds[0][name]}
+        for name in names
+    }
+
+
+def report(
+    name: str,
+    rounds: Sequence[Round],
+    checks: Sequence[Check],
+    *,
+    title: str,
+    metric: str,
+    unit: str = "",
+    setup: Mapping[str, Any] | None = None,
+    out_dir: Path = OUT,
+) -> dict[str, Any]:
+    """Write the JSON and the plot, print the verdicts, then raise if a target was missed."""
+    __tracebackhide__ = True  # pytest: show the verdicts, not this function's source
+    if not rounds:
+        raise ValueError(f"{name}: no rounds were run")
+    per_command = summarize(rounds)
+    results = []
+    lines = []
+    for check in checks:
+        stats = Stats(tuple(float(check.figure(r)) for r in rounds))
+        ok = check.passes(stats.median)
+        verdict = "INFO" if ok is None else ("PASS" if ok else "MISS")
+        target = "no target" if check.target is None else f"target {check.op} {check.target:g}"
+        lines.append(f"{name} {check.name}: {stats.describe()} {check.unit}  {target}  {verdict}")
+        results.append(
+            {
+                "name": check.name,
+                "unit": check.unit,
+                "target": check.target,
+                "higher_is_better": check.higher_is_better,
+                "verdict": verdict,
+                "meets_target": ok,
+                **stats.as_dict(),
+            }
+        )
+    missed = [r["name"] for r in results if r["verdict"] == "MISS"]
+    result = {
+        "name": name,
+        "title": title,
+        "passed": not missed,
+        "missed": missed,
+        "repeats": len(rounds),
+        "order": [f"{cmd}#{i}" for i, r in enumerate(rounds) for cmd in r],
+        "checks": results,
+        "commands": {
+            cmd: {key: s.as_dict() for key, s in figures.items()}
+            for cmd, figures in per_command.items()
+        },
+        "setup": dict(setup or {}),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"{name}.json"
+    json_path.write_text(json.dumps(result, indent=2))
+    png_path = plot(result, metric, unit, out_dir / f"{name}.png")
+
+    print(f"\n== {name}: {title}")
+    for cmd, figures in per_command.items():
+        if metric in figures:
+            print(f"{name} {cmd}: {metric} {figures[metric].describe()} {unit}")
+    for line in lines:
+        print(line)
+    print(f"→ {json_path}\n→ {png_path}")
+    if missed:
+        raise TargetMissed(f"{name}: missed {', '.join(missed)}\n" + "\n".join(lines))
+    return result
+
+
+def plot(result: Mapping[str, Any], metric: str, unit: str, path: Path) -> Path:
+    """Left: each command's `metric` (bar at the median, a dot per run). Then one panel per
+    check: a dot per round, the median, and the target line, titled PASS or MISS."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    bars = ax.bar(labels, values, color=["tab:blue", "tab:gray", "tab:orange"][: len(values)])
-    ax.bar_label(bars, fmt="%.0f")
-    ax.set_ylabel(unit)
-    ax.set_title(title)
+    checks = result["checks"]
+    fig, axes = plt.subplots(1, 1 + len(checks), figsize=(3.6 * (1 + len(checks)), 3.6))
+    axes = list(axes) if checks else [axes]
+    ax = axes[0]
+    cmds = [c for c, figs in result["commands"].items() if metric in figs]
+    for x, cmd in enumerate(cmds):
+        s = result["commands"][cmd][metric]
+        ax.bar(x, s["median"], color="tab:blue" if x == 0 else "tab:gray", alpha=0.7)
+        ax.plot([x] * s["n"], s["values"], "k.", markersize=6)
+    ax.set_xticks(range(len(cmds)), cmds, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(f"{metric} ({unit})" if unit else metric)
+    ax.set_title(f"{result['name']} ({result['repeats']} rounds)", fontsize=9)
+    for ax, check in zip(axes[1:], checks, strict=True):
+        colour = {"PASS": "tab:green", "MISS": "tab:red"}.get(check["verdict"], "tab:gray")
+        ax.plot(range(1, check["n"] + 1), check["values"], "o", color=colour)
+        ax.axhline(check["median"], color=colour, label="median")
+        if check["target"] is not None:
+            op = "≥" if check["higher_is_better"] else "≤"
+            ax.axhline(
+                check["target"],
+                color="k",
+                linestyle="--",
+                label=f"target {op} {fmt(check['target'])}",
+            )
+        ax.set_xticks(range(1, check["n"] + 1))
+        ax.set_xlabel("round")
+        ax.set_ylabel(f"{check['name']} {check['unit']}".strip())
+        ax.set_title(f"{check['name']}: {fmt(check['median'])} {check['verdict']}", fontsize=9)
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    path = OUT / f"{name}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def run_benchmark(
+    name: str,
+    *,
+    title: str,
+    commands: Mapping[str, Command],
+    checks: Sequence[Check],
+    metric: str,
+    unit: str = "",
+    setup: Mapping[str, Any] | None = None,
+    rounds: int | None = None,
+    out_dir: Path = OUT,
+) -> dict[str, Any]:
+    """Interleave the commands for `rounds` (default: RAYLIFT_BENCH_REPEATS) and report."""
+    __tracebackhide__ = True
+    done = interleave(commands, repeats() if rounds is None else rounds)
+    return report(
+        name, done, checks, title=title, metric=metric, unit=unit, setup=setup, out_dir=out_dir
+    )
