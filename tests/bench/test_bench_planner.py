@@ -108,6 +108,7 @@ with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 s = build_strategy(cfg, torch.device("cpu"), 0, 1)
 s.setup(ModelSource(Path(cfg.model.path), int(sys.argv[2])))
+s.model.train()  # as the loop does: checkpointing only acts in train mode
 x = torch.randint(0, int(sys.argv[2]), (cfg.train.micro_batch_size, cfg.data.block_size))
 for _ in range(2):
     with s.precision():
