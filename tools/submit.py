@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import JobConfig, load_config
 from trainer.errors import UserError
+from trainer.plan import add_arguments as add_plan_arguments
+from trainer.plan import submit_refusal
 
 log = logging.getLogger("raylift.submit")
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
@@ -200,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         help="Ray dashboard / Jobs API address (default: %(default)s)",
     )
     p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--force", action="store_true", help="submit even if the planner refuses")
+    add_plan_arguments(p)  # --instance, --rank0-instance, ...: the layout to plan against
     p.add_argument("--as-test", action="store_true")
     p.add_argument("--no-follow", action="store_true")
     p.add_argument("--no-progress", action="store_true")
@@ -219,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         report = run_all(cfg, strict=is_local(args.address))
         for note in report.notes:
             log.info("preflight: %s", note)
+        refusal = None if args.force else submit_refusal(cfg, args)
+        if refusal:
+            print(refusal, file=sys.stderr)
+            return 2
         client, job_id = submit(cfg, args.address)
     except UserError as exc:
         if args.debug:

@@ -1,4 +1,4 @@
-"""`python -m trainer run job.yaml [--set section.field=value ...] [--as-test]`.
+"""`python -m trainer run|validate|plan job.yaml [--set section.field=value ...]`.
 
 The same command runs as a Ray job's entrypoint (it starts a TorchTrainer on the cluster)
 and under torchrun (it detects the torchrun environment and trains in-process), so Slurm
@@ -43,6 +43,14 @@ def _parser() -> argparse.ArgumentParser:
             help="one forward/backward and one step, no checkpoint",
         )
         s.add_argument("--debug", action="store_true", help="show tracebacks")
+    s = sub.add_parser("plan", help="predict memory per rank and node, verdicts and cost")
+    s.add_argument("config", help="job YAML")
+    s.add_argument("--set", dest="overrides", action="append", default=[])
+    s.add_argument("--json", action="store_true", help="print the plan as JSON")
+    s.add_argument("--debug", action="store_true", help="show tracebacks")
+    from trainer.plan import add_arguments
+
+    add_arguments(s)
     return p
 
 
@@ -50,8 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     setup_logging(args.debug)
     try:
-        overrides = list(args.overrides) + (["train.as_test=true"] if args.as_test else [])
+        as_test = getattr(args, "as_test", False)
+        overrides = list(args.overrides) + (["train.as_test=true"] if as_test else [])
         cfg = load_config(args.config, overrides)
+        if args.command == "plan":
+            from trainer.plan import format_plan, plan_from_args
+
+            plan = plan_from_args(cfg, args)
+            print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+            return 2 if plan.refused else 0
         if args.command == "validate":
             from trainer.preflight import run_all
 

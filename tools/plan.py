@@ -1,0 +1,118 @@
+"""Plan a job on the laptop: memory per rank and per node, a verdict per node type, the
+cheapest catalog layout that fits and what an epoch costs.
+
+    python tools/plan.py job.yaml [--instance g5.xlarge] [--rank0-instance g5.48xlarge]
+                                  [--tokens-per-epoch 3.5e6] [--set section.field=value] [--json]
+
+The same code as `python -m trainer plan` and as submit's refusal (trainer.plan). Exit
+status: 0 when the job fits (or is tight), 2 when it does not or the input is bad.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.config import load_config
+from trainer.errors import UserError
+from trainer.plan import GIB, Layout, Plan, add_arguments, format_plan, plan_from_args
+
+_STYLE = {"fits": "green", "tight": "yellow", "does not fit": "bold red"}
+
+
+def render(plan: Plan) -> None:
+    """Rich tables when rich is installed (the tools extra), else the plain text."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(format_plan(plan))
+        return
+    console = Console()
+    head = format_plan(plan).split("\n\n", 1)[0]
+    console.print(head, markup=False, highlight=False)
+    r = plan.rank
+    mem = Table(title="per rank (GPU)" if plan.setup.gpu else "per rank (host RAM)")
+    mem.add_column("part")
+    mem.add_column("GiB", justify="right")
+    rows = [
+        ("weights", r.weights),
+        ("gradients", r.gradients),
+        ("optimizer states", r.optimizer),
+        (f"activations (checkpointing {'on' if r.checkpointing else 'off'})", r.activations),
+        ("  if checkpointing off", r.activations_no_ckpt),
+        ("  if checkpointing on", r.activations_ckpt),
+        ("framework overhead", r.overhead),
+        ("total", r.total),
+    ]
+    for name, value in rows:
+        mem.add_row(name, f"{value / GIB:.1f}")
+    console.print(mem)
+    for title, lay in (("layout", plan.layout), ("cheapest layout that fits", plan.cheapest)):
+        if lay is not None:
+            console.print(_layout_table(title, lay, plan.tokens_per_epoch))
+    if plan.layout is None and plan.cheapest is None and plan.setup.gpu:
+        console.print("[bold red]no catalog layout fits this job at up to 64 workers")
+    for note in plan.notes:
+        console.print(f"note: {note}", markup=False, highlight=False)
+
+
+def _layout_table(title: str, lay: Layout, tokens: int | None) -> object:
+    from rich.table import Table
+
+    caption = f"${lay.usd_per_hour:.2f}/h on demand, ${lay.spot_usd_per_hour:.2f}/h on spot"
+    if lay.tokens_per_s:
+        caption += f"; {lay.tokens_per_s:,.0f} tokens/s ({lay.tokens_per_s_source})"
+    e = lay.epoch(tokens)
+    if e:
+        caption += (
+            f"; epoch: {e['hours']:.2f} h, ${e['usd_on_demand']:.2f} on demand, "
+            f"${e['usd_spot']:.2f} on spot"
+        )
+    t = Table(
+        title=f"{title}: {lay.describe()}: [{_STYLE[lay.verdict]}]{lay.verdict}",
+        caption=caption,
+    )
+    for col in ("node type", "count", "ranks", "GPU need / have", "host need / have", "verdict"):
+        t.add_column(col, justify="left" if col in ("node type", "verdict") else "right")
+    for n in lay.nodes:
+        gpu = f"{n.gpu_need / GIB:.1f} / {n.gpu_capacity / GIB:.0f}" if n.gpu_verdict else "-"
+        t.add_row(
+            n.instance + (" (rank 0)" if n.rank0 else ""),
+            str(n.count),
+            str(n.ranks_per_node),
+            gpu,
+            f"{n.host_need / GIB:.1f} / {n.host_capacity / GIB:.0f}",
+            f"[{_STYLE[n.verdict]}]{n.verdict}",
+        )
+    return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("config")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--debug", action="store_true")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        plan = plan_from_args(load_config(args.config, args.overrides), args)
+    except UserError as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        render(plan)
+    return 2 if plan.refused else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
