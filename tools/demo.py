@@ -90,11 +90,11 @@ def main() -> int:
     print("\n=== Raylift demo: done ===")
     for line in report.summary_lines(run):
         print(line)
-    print(f"checkpoints: {sorted(str(p) for p in run_dir.glob('step_*'))}")
-    if summary and summary.get("checkpoint"):
+    print(f"resume checkpoints: {sorted(str(p) for p in run_dir.glob('step_*'))}")
+    if summary and summary.get("export"):
         print(
-            f"final checkpoint (load with transformers.AutoModelForCausalLM."
-            f"from_pretrained): {summary['checkpoint']}/model"
+            f"trained model (load with transformers.AutoModelForCausalLM."
+            f"from_pretrained): {summary['export']}/model"
         )
     print(f"loss curve: {png}")
     return 0

@@ -45,5 +45,8 @@ def test_demo_end_to_end(tmp_path):
     assert ckpts and ckpts[-1] == f"step_{total:08d}" and len(ckpts) <= 2  # keep_last: 2
     assert (run_dir / ckpts[-1] / "trainer_state.json").is_file()
     assert (run_dir / "export" / ckpts[-1] / "model" / "config.json").is_file()
+    # The path it prints loads with plain transformers.
+    printed = re.search(r"from_pretrained\): (\S+)", tail).group(1)
+    assert Path(printed) == run_dir / "export" / ckpts[-1] / "model"
     png = Path(re.search(r"loss curve: (\S+\.png)", tail).group(1))
     assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
