@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,10 @@ from trainer.model import load_model, model_config
 from trainer.strategies import ModelSource, param_groups
 from trainer.strategies.common import Evaluating
 
-EXTENSIONS_DIR = "/tmp/raylift/torch_extensions"
+EXTENSIONS_DIR = str(Path(tempfile.gettempdir()) / "raylift" / "torch_extensions")
+"""Where DeepSpeed's JIT-built ops go when the image has none prebuilt (CPU runs here): one
+folder per machine that every worker shares, so the build is paid once. Under TMPDIR like
+the model cache, so a fresh TMPDIR really starts cold."""
 TAG = "state"
 
 
