@@ -37,12 +37,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SOCKET_PATH_MAX = 107
+"""AF_UNIX path limit on Linux; Ray refuses to start when a socket path is longer."""
+_SESSION_SUFFIX = len(
+    "/rl-xxxxxxxx/ray/session_2026-01-01_00-00-00_000000_1234567/sockets/plasma_store"
+)
+
+
 def _short_temp_root() -> str:
-    """The session folder lives under TMPDIR (so a fresh TMPDIR means a fresh cluster), but
-    Ray's unix socket paths inside it must stay under 107 bytes: fall back to /tmp when
-    TMPDIR is deep."""
+    """The cluster's folder lives under TMPDIR (so a fresh TMPDIR means a fresh cluster),
+    unless Ray's deepest socket path inside it would pass the AF_UNIX limit: then /tmp."""
     root = tempfile.gettempdir()
-    return root if len(root) <= 40 else "/tmp"
+    return root if len(root) + _SESSION_SUFFIX <= SOCKET_PATH_MAX else "/tmp"
 
 
 class LocalCluster:
