@@ -288,6 +288,11 @@ class JobConfig(_Section):
                 )
             if t.precision == "fp16":
                 raise ValueError("train.precision: fp16 is not supported with fsdp; use bf16")
+        if self.strategy.name == "deepspeed" and self.optim.name == "adamw8bit":
+            raise ValueError(
+                "optim.name: adamw8bit is not available with strategy deepspeed (DeepSpeed's "
+                "ZeRO optimizer owns the optimizer states); use adamw, or ddp/fsdp for 8-bit"
+            )
         if self.model.adapter != "none" and self.strategy.name != "ddp":
             raise ValueError(
                 f"model.adapter: {self.model.adapter} composes with strategy ddp in this "

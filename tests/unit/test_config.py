@@ -82,6 +82,10 @@ def test_contradicting_grad_accum(tmp_path):
         (["strategy.name=zero9"], "strategy.name: 'zero9' is not available"),
         (["train.strategy=fsdp"], "train.strategy moved to its own section"),
         (["strategy.name=fsdp", "model.adapter=lora"], "model.adapter: lora composes with"),
+        (
+            ["strategy.name=deepspeed", "optim.name=adamw8bit"],
+            "optim.name: adamw8bit is not available with strategy deepspeed",
+        ),
         (["strategy.name=ddp", "strategy.cpu_offload=true"], "strategy.cpu_offload"),
         (["strategy.name=fsdp", "strategy.cpu_offload=true"], "cpu_offload: needs GPUs"),
         (["model.lora.r=0"], "model.lora.r"),
