@@ -229,7 +229,9 @@ def resolve(
     return Resolution(pins=pins, seconds=seconds)
 
 
-# pip fetches an sdist (uv has no download command); nothing is installed.
+# pip fetches an sdist (uv has no download command). `pip download` still prepares the sdist's
+# metadata in a throwaway build environment, which is most of the seconds a check of the
+# trainer chains takes; no wheel is built and nothing is installed.
 SELF_PIP = (sys.executable, "-m", "pip")
 _SDIST_LOCK = threading.Lock()
 
@@ -238,7 +240,7 @@ _SDIST_LOCK = threading.Lock()
 def sdist_metadata(
     name: str, version: str, member: str | None = None, pip: tuple[str, ...] = SELF_PIP
 ) -> tuple[str, str]:
-    """(PKG-INFO, text of `member`) of an sdist, fetched by pip without building it."""
+    """(PKG-INFO, text of `member`) of an sdist, read from the archive pip downloaded."""
     with tempfile.TemporaryDirectory(prefix="raylift-sdist-") as tmp:
         result = subprocess.run(
             [*pip, "download", "--quiet", "--no-deps", "--no-binary=:all:", "--dest", tmp,
