@@ -6,6 +6,10 @@ unexpired token is answered 401, and the two notice paths answer 404 until a tes
 triggers them. Every request is logged, so a test can assert what the agent asked and how.
 It can also go away for a while (`down()`), as the real service does under load or while an
 instance is being reconfigured.
+
+`FakeAutoScaling` is the Auto Scaling API's one call the agent makes
+(CompleteLifecycleAction, Query protocol), for boto3 pointed at it with
+AWS_ENDPOINT_URL_AUTO_SCALING.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ TOKEN_HEADER = "X-aws-ec2-metadata-token"
 SPOT_PATH = "/latest/meta-data/spot/instance-action"
 REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
 INSTANCE_ID_PATH = "/latest/meta-data/instance-id"
+LIFECYCLE_PATH = "/latest/meta-data/autoscaling/target-lifecycle-state"
 MAX_TTL_S = 21600
 
 
@@ -50,6 +55,7 @@ class FakeImds:
         self._tokens: dict[str, float] = {}  # token -> monotonic expiry
         self._spot: dict[str, str] | None = None
         self._rebalance: dict[str, str] | None = None
+        self._target_state = "InService"
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -113,6 +119,11 @@ class FakeImds:
             self._rebalance = {"noticeTime": _iso(when)}
         return when
 
+    def trigger_termination(self) -> None:
+        """The Auto Scaling group starts ending this instance (it waits on the drain hook)."""
+        with self._lock:
+            self._target_state = "Terminated"
+
     def expire_tokens(self) -> None:
         """Every token issued so far stops working (as after a TTL runs out)."""
         with self._lock:
@@ -153,6 +164,9 @@ class FakeImds:
             return (200, json.dumps(rebalance)) if rebalance else (404, "")
         if path == INSTANCE_ID_PATH:
             return 200, self.instance_id
+        if path == LIFECYCLE_PATH:
+            with self._lock:
+                return 200, self._target_state
         return 404, ""
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
@@ -187,3 +201,55 @@ class FakeImds:
                 pass  # the request log above is what tests read
 
         return Handler
+
+
+class FakeAutoScaling:
+    """Answers CompleteLifecycleAction and records each call (its form fields, and when)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, dict[str, str]]] = []
+        self._server: ThreadingHTTPServer | None = None
+
+    @property
+    def endpoint(self) -> str:
+        assert self._server is not None
+        return f"http://{HOST}:{self._server.server_address[1]}"
+
+    def __enter__(self) -> FakeAutoScaling:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:
+                from urllib.parse import parse_qsl
+
+                length = int(self.headers.get("Content-Length") or 0)
+                form = dict(parse_qsl(self.rfile.read(length).decode()))
+                fake.calls.append((time.time(), form))
+                action = form.get("Action", "")
+                body = (
+                    f'<{action}Response xmlns="http://autoscaling.amazonaws.com/doc/2011-01-01/">'
+                    f"<{action}Result/><ResponseMetadata><RequestId>fake</RequestId>"
+                    f"</ResponseMetadata></{action}Response>"
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/xml")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer((HOST, 0), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(
+            target=self._server.serve_forever, args=(0.05,), name="fake-asg", daemon=True
+        ).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()

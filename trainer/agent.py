@@ -21,23 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
-from tenacity import (
-    retry,
-    retry_if_exception_type,
-    stop_after_attempt,
-    stop_after_delay,
-    wait_exponential,
-)
 
 log = logging.getLogger("raylift.agent")
 
@@ -52,6 +46,11 @@ TOKEN_HEADER = "X-aws-ec2-metadata-token"
 SPOT_PATH = "/latest/meta-data/spot/instance-action"
 REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
 INSTANCE_ID_PATH = "/latest/meta-data/instance-id"
+# "Terminated" once the Auto Scaling group has started to end this instance (it then waits in
+# Terminating:Wait on infra's drain hook until the agent completes the lifecycle action).
+LIFECYCLE_PATH = "/latest/meta-data/autoscaling/target-lifecycle-state"
+# How long infra's drain hook holds a terminating instance (infra/components/pool.py).
+DEFAULT_LIFECYCLE_TIMEOUT_S = 300.0
 TOKEN_TTL_S = 21600  # IMDSv2's maximum (6 hours)
 # A token is replaced when this little of its life is left (or a tenth of a short TTL).
 TOKEN_REFRESH_S = 60.0
@@ -119,14 +118,23 @@ class ImdsClient:
             self._token, self._token_expiry = body.strip(), time.monotonic() + self.ttl_s
         return self._token
 
-    @retry(
-        retry=retry_if_exception_type(ImdsError),
-        stop=stop_after_attempt(3),
-        wait=wait_exponential(multiplier=0.2, max=1.0),
-        reraise=True,
-    )
     def get(self, path: str) -> str | None:
-        """The body, or None where the path does not exist (404: no notice)."""
+        """The body, or None where the path does not exist (404: no notice). A service
+        that does not answer is tried three times within about a second."""
+        from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
+        from tenacity import wait_exponential as backoff
+
+        for attempt in Retrying(
+            retry=retry_if_exception_type(ImdsError),
+            stop=stop_after_attempt(3),
+            wait=backoff(multiplier=0.2, max=1.0),
+            reraise=True,
+        ):
+            with attempt:
+                return self._get_once(path)
+        raise AssertionError("unreachable: tenacity reraises")
+
+    def _get_once(self, path: str) -> str | None:
         for _ in range(2):
             status, body = self._call("GET", path, {TOKEN_HEADER: self._fresh_token()})
             if status != 401:
@@ -150,8 +158,6 @@ def _gcs_client(gcs_address: str) -> Any:
 
 def default_gcs_address() -> str | None:
     """RAY_ADDRESS, else the address `ray start` wrote on this node (ray_current_cluster)."""
-    import os
-
     from ray._private.utils import read_ray_address
 
     return os.environ.get("RAY_ADDRESS") or read_ray_address()
@@ -188,13 +194,13 @@ def find_own_node(gcs_address: str, instance_id: str | None, ip: str | None) -> 
 
     nodes = _gcs_client(gcs_address).get_all_node_info(timeout=10)
     alive = [n for n in nodes.values() if n.state == gcs_pb2.GcsNodeInfo.ALIVE]
-    for key, value, field in (
+    for key, value, attr in (
         ("instance id", instance_id, "instance_id"),
         ("IP", ip, "node_manager_address"),
     ):
         if not value:
             continue
-        matches = [n for n in alive if getattr(n, field) == value]
+        matches = [n for n in alive if getattr(n, attr) == value]
         if len(matches) == 1:
             return matches[0].node_id.hex()
         if len(matches) > 1:
@@ -232,11 +238,16 @@ class AgentOptions:
     node_id: str | None = None
     gcs_address: str | None = None
     drain_on_rebalance: bool = False
+    lifecycle_timeout_s: float = DEFAULT_LIFECYCLE_TIMEOUT_S
+    # infra's node.env (RAYLIFT_LIFECYCLE_HOOK, RAYLIFT_ASG_NAME, RAYLIFT_INSTANCE_ID,
+    # RAYLIFT_REGION): which lifecycle action to complete once the node is drained.
+    node_env: dict[str, str] = field(default_factory=dict)
 
 
 class Agent:
-    def __init__(self, options: AgentOptions) -> None:
+    def __init__(self, options: AgentOptions, stop: threading.Event | None = None) -> None:
         self.options = options
+        self.stop = stop or threading.Event()
         self.imds = ImdsClient(options.imds_endpoint)
         self._node_id = options.node_id
         self._instance_id: str | None = None
@@ -266,19 +277,18 @@ class Agent:
     # -- draining
 
     def _drain(self, deadline: datetime | None, message: str) -> None:
-        @retry(
-            retry=retry_if_exception_type(Exception),
-            stop=stop_after_delay(DRAIN_RETRY_S),
-            wait=wait_exponential(multiplier=0.5, max=5.0),
-            reraise=True,
-        )
-        def attempt() -> tuple[str, float | None]:
-            node_id = self._own_node()
-            remaining = None if deadline is None else deadline.timestamp() - time.time()
-            drain_node(self._gcs_address(), node_id, remaining, message)
-            return node_id, remaining
+        from tenacity import Retrying, stop_after_delay
+        from tenacity import wait_exponential as backoff
 
-        node_id, remaining = attempt()
+        for attempt in Retrying(
+            stop=stop_after_delay(DRAIN_RETRY_S),
+            wait=backoff(multiplier=0.5, max=5.0),
+            reraise=True,
+        ):
+            with attempt:
+                node_id = self._own_node()
+                remaining = None if deadline is None else deadline.timestamp() - time.time()
+                drain_node(self._gcs_address(), node_id, remaining, message)
         log.warning(
             "drained Ray node %s: reason PREEMPTION, deadline %s, message %r",
             node_id,
@@ -292,6 +302,7 @@ class Agent:
         try:
             spot = self.imds.get(SPOT_PATH)
             rebalance = self.imds.get(REBALANCE_PATH)
+            target_state = self.imds.get(LIFECYCLE_PATH) if self._lifecycle_hook() else None
         except ImdsError as exc:
             if not self._imds_down:
                 log.warning(
@@ -308,6 +319,8 @@ class Agent:
             self._on_spot(spot)
         if rebalance is not None and rebalance not in self._done:
             self._on_rebalance(rebalance)
+        if target_state == "Terminated" and "lifecycle" not in self._done:
+            self._on_terminating()
 
     def _on_spot(self, body: str) -> None:
         try:
@@ -331,7 +344,8 @@ class Agent:
                 self.options.margin_s,
             )
             self._logged.add(body)
-        self._drain_once(body, deadline, message)
+        if self._drain_once(body, deadline, message):
+            self._complete_lifecycle(deadline)
 
     def _on_rebalance(self, body: str) -> None:
         try:
@@ -353,27 +367,102 @@ class Agent:
             return
         self._drain_once(body, None, f"EC2 rebalance recommendation at {when}")
 
-    def _drain_once(self, body: str, deadline: datetime | None, message: str) -> None:
+    def _drain_once(self, body: str, deadline: datetime | None, message: str) -> bool:
         try:
             self._drain(deadline, message)
         except Exception as exc:
             log.error("could not drain this Ray node (%s); trying again at the next poll", exc)
-            return
+            return False
         self._done.add(body)
+        return True
 
-    def run(self, stop: threading.Event) -> None:
+    # -- the Auto Scaling drain hook (infra's node.env names it)
+
+    def _lifecycle_hook(self) -> str | None:
+        env = self.options.node_env
+        if env.get("RAYLIFT_LIFECYCLE_HOOK") and env.get("RAYLIFT_ASG_NAME"):
+            return env["RAYLIFT_LIFECYCLE_HOOK"]
+        return None
+
+    def _on_terminating(self) -> None:
+        """The group is ending this instance (scale-in, health replacement): drain with the
+        time the hook holds it, then let it go."""
+        deadline = datetime.fromtimestamp(
+            time.time() + max(self.options.lifecycle_timeout_s - self.options.margin_s, 1), UTC
+        )
+        if "lifecycle" not in self._logged:
+            log.warning(
+                "Auto Scaling is terminating this instance (hook %s); draining this Ray node, "
+                "deadline %s",
+                self._lifecycle_hook(),
+                _iso(deadline),
+            )
+            self._logged.add("lifecycle")
+        message = f"Auto Scaling termination (lifecycle hook {self._lifecycle_hook()})"
+        if self._drain_once("lifecycle", deadline, message):
+            self._complete_lifecycle(deadline)
+
+    def _node_idle(self) -> bool:
+        """Nothing holds this node's CPUs or GPUs any more (the training workers left)."""
+        from ray.autoscaler.v2.sdk import get_cluster_resource_state
+
+        state = get_cluster_resource_state(_gcs_client(self._gcs_address()))
+        for node in state.node_states:
+            if node.node_id.hex() == self._node_id:
+                return all(
+                    node.available_resources.get(k, 0) >= v
+                    for k, v in node.total_resources.items()
+                    if k in ("CPU", "GPU")
+                )
+        return True  # gone from the table: nothing runs on it
+
+    def _complete_lifecycle(self, deadline: datetime) -> None:
+        """Once the node is idle (or its drain deadline has come), tell the group it may end
+        the instance: `complete-lifecycle-action ... --lifecycle-action-result CONTINUE`."""
+        hook = self._lifecycle_hook()
+        if hook is None or "lifecycle-complete" in self._done:
+            return
+        env = self.options.node_env
+        instance_id = env.get("RAYLIFT_INSTANCE_ID") or self._instance_id
+        while time.time() < deadline.timestamp() and not self.stop.is_set():
+            try:
+                if self._node_idle():
+                    break
+            except Exception as exc:
+                log.debug("could not read this node's resources: %s", exc)
+            self.stop.wait(self.options.interval_s)
+        import boto3
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            boto3.client(
+                "autoscaling", region_name=env.get("RAYLIFT_REGION") or None
+            ).complete_lifecycle_action(
+                LifecycleHookName=hook,
+                AutoScalingGroupName=env["RAYLIFT_ASG_NAME"],
+                InstanceId=instance_id,
+                LifecycleActionResult="CONTINUE",
+            )
+        except (BotoCoreError, ClientError) as exc:
+            # No pending action (a spot interruption the group has not acted on) is normal.
+            log.info("lifecycle action %s not completed: %s", hook, exc)
+        else:
+            log.warning("completed lifecycle action %s for %s: CONTINUE", hook, instance_id)
+        self._done.add("lifecycle-complete")
+
+    def run(self) -> None:
         log.info(
             "node agent: polling %s every %gs (drain margin %gs)",
             self.options.imds_endpoint,
             self.options.interval_s,
             self.options.margin_s,
         )
-        while not stop.is_set():
+        while not self.stop.is_set():
             try:
                 self.poll_once()
             except Exception as exc:  # the agent must outlive anything one poll meets
                 log.error("poll failed: %s: %s", type(exc).__name__, exc)
-            stop.wait(self.options.interval_s)
+            self.stop.wait(self.options.interval_s)
 
 
 # ---- CLI ------------------------------------------------------------------------------------
@@ -418,6 +507,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="drain on a rebalance recommendation too (default: log it only)",
     )
+    p.add_argument(
+        "--lifecycle-timeout",
+        type=_positive,
+        default=DEFAULT_LIFECYCLE_TIMEOUT_S,
+        help="seconds the Auto Scaling drain hook holds a terminating instance "
+        "(default %(default)s)",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -432,6 +528,8 @@ def main(args: argparse.Namespace) -> int:
         node_id=args.node_id,
         gcs_address=args.gcs_address,
         drain_on_rebalance=args.drain_on_rebalance,
+        lifecycle_timeout_s=args.lifecycle_timeout,
+        node_env={k: v for k, v in os.environ.items() if k.startswith("RAYLIFT_")},
     )
-    Agent(options).run(stop)
+    Agent(options, stop).run()
     return 0
