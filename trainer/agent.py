@@ -424,6 +424,11 @@ class Agent:
             return
         env = self.options.node_env
         instance_id = env.get("RAYLIFT_INSTANCE_ID") or self._instance_id
+        log.info(
+            "lifecycle action %s: completing once this node's CPUs and GPUs are free, by %s",
+            hook,
+            _iso(deadline),
+        )
         while time.time() < deadline.timestamp() and not self.stop.is_set():
             try:
                 if self._node_idle():
@@ -457,6 +462,9 @@ class Agent:
             self.options.interval_s,
             self.options.margin_s,
         )
+        if self._lifecycle_hook():
+            import boto3  # noqa: F401 - imported now, not while a notice's seconds run
+
         while not self.stop.is_set():
             try:
                 self.poll_once()
