@@ -1,4 +1,5 @@
-"""`python -m trainer run|validate|plan job.yaml [--set section.field=value ...]`.
+"""`python -m trainer run|validate|plan job.yaml [--set section.field=value ...]`, and
+`python -m trainer agent` (the spot-notice node agent, trainer.agent).
 
 The same command runs as a Ray job's entrypoint (it starts a TorchTrainer on the cluster)
 and under torchrun (it detects the torchrun environment and trains in-process), so Slurm
@@ -51,12 +52,19 @@ def _parser() -> argparse.ArgumentParser:
     from trainer.plan import add_arguments
 
     add_arguments(s)
+    from trainer import agent
+
+    agent.add_arguments(sub.add_parser("agent", help="the spot-notice node agent (one per node)"))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     setup_logging(args.debug)
+    if args.command == "agent":
+        from trainer.agent import main as agent_main
+
+        return agent_main(args)
     try:
         as_test = getattr(args, "as_test", False)
         overrides = list(args.overrides) + (["train.as_test=true"] if as_test else [])
