@@ -10,6 +10,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -291,40 +293,62 @@ def test_node_loss_elastic_run_continues_on_fewer_workers_and_grows_back(
     _same_weights(load_file(str(run_dir / FINAL)), reference["weights"], atol=1e-3)
 
 
-def _drain(cluster: Any, node: Any, deadline_s: float) -> None:
-    """What the spot agent does on a notice: drain the node with reason PREEMPTION."""
-    from ray._raylet import GcsClient
-    from ray.core.generated import autoscaler_pb2
+def test_spot_notice_checkpoints_at_once_and_loses_no_step(ray_cluster, tiny, tmp_path, reference):
+    """A spot notice served by a local IMDSv2 server: the node agent (the real one, as the
+    image runs it) drains its node for preemption; the loop sees it at a step boundary,
+    checkpoints at once and stops stepping; the node is reclaimed at the deadline, a
+    replacement joins, and the run resumes from the emergency checkpoint: zero lost."""
+    from tests.imds import SPOT_PATH, TOKEN_PATH, FakeImds
 
-    accepted, why = GcsClient(address=cluster.address).drain_node(
-        node.node_id,
-        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-        "spot instance-action: terminate (test)",
-        int((time.time() + deadline_s) * 1000),
-    )
-    assert accepted, why
-
-
-def test_spot_preemption_checkpoints_at_once_and_loses_no_step(
-    ray_cluster, tiny, tmp_path, reference
-):
-    """A node of the run is drained for preemption with a deadline: the loop checkpoints
-    within a step of seeing it and stops stepping; the node is reclaimed at the deadline,
-    a replacement joins, and the run resumes from the emergency checkpoint: zero lost."""
     cfg, client, job_id = launch(ray_cluster, fault_job(tiny, tmp_path, "spot"))
     run_dir = Path(cfg.storage.path) / cfg.run.name
     run = resolve(str(run_dir))
-    _wait(lambda: any(r["step"] >= 10 for r in _train_records(run_dir)), "step 10", client, job_id)
     victim = _plain_node(ray_cluster)
-    _drain(ray_cluster, victim, deadline_s=15)
-    notice = _wait(
-        lambda: [r for r in journal.read(run) if r["event"] == "preemption"],
-        "the emergency checkpoint",
-        client,
-        job_id,
-    )[0]
-    ray_cluster.kill_node(victim)  # the reclaim
-    ray_cluster.add_node(num_cpus=1, labels={"pool": "cpu"})  # the spot pool's replacement
+    with FakeImds() as imds, open(tmp_path / "agent.log", "wb") as agent_log:
+        agent = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "trainer",
+                "agent",
+                "--imds-endpoint",
+                imds.endpoint,
+                "--interval",
+                "0.5",
+                "--margin",
+                "10",
+                "--node-id",
+                victim.node_id,
+                "--gcs-address",
+                ray_cluster.address,
+            ],
+            stdout=agent_log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            _wait(
+                lambda: any(r["step"] >= 10 for r in _train_records(run_dir)),
+                "step 10",
+                client,
+                job_id,
+            )
+            imds.trigger_spot(25)  # the reclaim in 25 s; the agent drains with 15 s left
+            notice = _wait(
+                lambda: [r for r in journal.read(run) if r["event"] == "preemption"],
+                "the emergency checkpoint",
+                client,
+                job_id,
+            )[0]
+            ray_cluster.kill_node(victim)  # the reclaim
+            ray_cluster.add_node(num_cpus=1, labels={"pool": "cpu"})  # the pool's replacement
+        finally:
+            agent.terminate()
+            agent.wait(timeout=30)
+        # IMDSv2: a session token first, and no metadata read without it.
+        assert imds.requests[0].method == "PUT" and imds.requests[0].path == TOKEN_PATH
+        assert imds.requests_to(SPOT_PATH) and all(r.token for r in imds.requests_to(SPOT_PATH))
+    log_text = (tmp_path / "agent.log").read_text()
+    assert f"drained Ray node {victim.node_id}: reason PREEMPTION" in log_text, log_text[-2000:]
     _finish(client, job_id)
 
     records, steps, wasted = history(cfg)
