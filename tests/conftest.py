@@ -17,6 +17,11 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+# Everything the tests start (local Ray clusters, their job drivers and workers, torchrun)
+# imports this checkout's code, not whatever the venv's editable install points at.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -286,11 +286,19 @@ def main() -> None:
     p.add_argument("--num-cpus", type=int, default=2)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tools.jobcli.cluster import write_local_cluster_file
+
     with LocalCluster(num_cpus=args.num_cpus, head_labels={"large_cpu_mem": "true"}) as c:
-        print(f"RAY_ADDRESS={c.dashboard_url}", flush=True)
-        print(f"RAY_AUTH_TOKEN_PATH={c.token_path}", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            signal.pause()
+        # tools/submit.py finds this cluster here when no address is given.
+        record = write_local_cluster_file(c.dashboard_url, c.token_path)
+        try:
+            print(f"RAY_ADDRESS={c.dashboard_url}", flush=True)
+            print(f"RAY_AUTH_TOKEN_PATH={c.token_path}", flush=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                signal.pause()
+        finally:
+            record.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
