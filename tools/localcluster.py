@@ -165,13 +165,17 @@ class LocalCluster:
         num_cpus: int = 1,
         labels: dict[str, str] | None = None,
         resources: dict[str, float] | None = None,
+        env: dict[str, str] | None = None,
     ) -> Any:
+        """`env`: variables only this node's raylet (and so its workers) sees, e.g. to give
+        one node a credential or a mount path the others do not have."""
         return self._cluster.add_node(
             node_ip_address=HOST,
             num_cpus=num_cpus,
             labels=dict(labels or {}),
             resources=dict(resources or {}),
             object_store_memory=128 * 1024 * 1024,
+            env_vars=dict(env or {}),
         )
 
     def _get(self, path: str) -> Any:

@@ -77,7 +77,11 @@ def render(result: dict[str, Any]) -> None:
     console = Console(width=140)
     for n in result["nodes"]:
         role = "head" if n.get("head") else "worker"
-        labels = ",".join(f"{k}={v}" for k, v in sorted(n.get("labels", {}).items()))
+        labels = ",".join(
+            f"{k}={v}"
+            for k, v in sorted(n.get("labels", {}).items())
+            if not k.startswith("ray.io/")  # Ray's own (node id, market type, …)
+        )
         title = f"node {n['node_id'][:12]} ({role}, {n.get('ip', '?')}) {labels}".rstrip()
         table = Table(title=title, title_justify="left")
         table.add_column("check")
