@@ -62,9 +62,7 @@ def test_doctor_finds_the_node_that_cannot_write_the_bucket(
     tables = _tables(out.out)
     assert len(tables) == 4, out.out  # three nodes and the cluster table
     failed = [(t, c) for t, rows in tables.items() for c, v in rows.items() if v == "FAIL"]
-    assert len(failed) == 1 and "pool=broken" in failed[0][0] and failed[0][1] == "bucket", (
-        out.out
-    )
+    assert len(failed) == 1 and "pool=broken" in failed[0][0] and failed[0][1] == "bucket", out.out
     for rows in tables.values():
         if "torch" in rows:
             checks = {"python", "ray", "torch", "transformers", "shared folder", "bucket"}
