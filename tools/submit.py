@@ -27,7 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -62,8 +61,9 @@ def absolutize(cfg: JobConfig, base: Path) -> JobConfig:
 
 
 def is_local(address: str) -> bool:
-    host = urlparse(address if "://" in address else f"http://{address}").hostname
-    return host in ("127.0.0.1", "localhost", "::1")
+    """An address on this machine. (A port forward is on this machine too: callers that
+    know where the address came from use cluster.Target.local instead.)"""
+    return cluster.is_loopback(address)
 
 
 def auth_headers(token: str | None = None) -> dict[str, str] | None:
@@ -152,9 +152,9 @@ def driver_placement(address: str, token: str | None = None) -> dict[str, Any]:
     return {}
 
 
-def _runtime_env(workdir: str, env: dict[str, str], address: str) -> dict[str, Any]:
+def _runtime_env(workdir: str, env: dict[str, str], local: bool) -> dict[str, Any]:
     runtime_env: dict[str, Any] = {"working_dir": workdir, "env_vars": env}
-    if is_local(address):
+    if local:
         # A local cluster runs this checkout's trainer; a remote one runs its image's.
         import trainer
 
@@ -168,6 +168,7 @@ def submit(
     address: str,
     env_vars: dict[str, str] | None = None,
     token: str | None = None,
+    local: bool | None = None,
 ) -> tuple[Any, str]:
     """Submit `python -m trainer run` for this config. Refused (RunIsLive) while another
     submission of the same run is PENDING or RUNNING; the id is `raylift-<run>-<n>`."""
@@ -199,7 +200,9 @@ def submit(
                 job_id = _submit_with_retry(
                     client,
                     entrypoint="python -m trainer run job.yaml",
-                    runtime_env=_runtime_env(workdir, env, address),
+                    runtime_env=_runtime_env(
+                        workdir, env, is_local(address) if local is None else local
+                    ),
                     submission_id=runs.next_submission_id(mine, cfg.run.name),
                     metadata=metadata,
                     **placement,
@@ -424,14 +427,16 @@ def _run_config(args: argparse.Namespace) -> JobConfig:
 def _run(args: argparse.Namespace, cfg: JobConfig, target: cluster.Target) -> int:
     from trainer.preflight import run_all
 
-    report = run_all(cfg, strict=is_local(target.address))
+    report = run_all(cfg, strict=target.local)
     for note in report.notes:
         log.info("preflight: %s", note)
     refusal = None if args.force else submit_refusal(cfg, args)
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
-    client, job_id = submit(cfg, target.address, job_env(cfg, args.env), target.token)
+    client, job_id = submit(
+        cfg, target.address, job_env(cfg, args.env), target.token, local=target.local
+    )
     print(f"submitted job {job_id} to {target.address}", flush=True)
     if args.no_follow:
         return 0
@@ -579,7 +584,7 @@ def _doctor(args: argparse.Namespace, client: Any, target: cluster.Target) -> in
         job_id = _submit_with_retry(
             client,
             entrypoint=" ".join(shlex.quote(c) for c in cmd),
-            runtime_env=_runtime_env(workdir, env, target.address),
+            runtime_env=_runtime_env(workdir, env, target.local),
             submission_id=f"raylift-doctor-{int(time.time() * 1000)}",
             metadata={"raylift_doctor": "1"},
         )

@@ -4,6 +4,7 @@ each job costs ~45 s; the no-token and failing-job paths are in test_ray_train.p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from urllib.parse import urlparse
@@ -13,7 +14,7 @@ import pytest
 
 from tests.integration import stubs
 from tools import submit
-from tools.jobcli import runs
+from tools.jobcli import cluster, runs
 
 pytestmark = pytest.mark.slow
 
@@ -110,6 +111,13 @@ def test_stack_address_goes_through_an_ssm_port_forward_closed_at_exit(
     pid = int((tmp_path / "ssm.pid").read_text())
     assert (tmp_path / "ssm.closed").exists()  # the forward was told to end, and did
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+    # Through the tunnel the address is 127.0.0.1, but the cluster is not this machine:
+    # strict (local-file) preflight and shipping this checkout's trainer stay off.
+    with contextlib.ExitStack() as stack:
+        target = cluster.resolve(None, stack)
+        assert target.address.startswith("http://127.0.0.1:") and not target.local
+        assert submit.client_for(target.address, target.token).list_jobs() is not None
 
     # The token really is the one from Secrets Manager: a wrong one there is refused.
     monkeypatch.setenv("STUB_RAY_TOKEN", "0" * 64)

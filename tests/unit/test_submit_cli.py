@@ -120,7 +120,7 @@ def test_cluster_address_order_and_the_local_cluster_file(tmp_path, monkeypatch,
     token.write_text("t0k\n")
     cluster.write_local_cluster_file("http://127.0.0.1:1234", token)  # this pid: alive
     found = cluster.resolve(None, contextlib.ExitStack())
-    assert (found.address, found.token) == ("http://127.0.0.1:1234", "t0k")
+    assert (found.address, found.token, found.local) == ("http://127.0.0.1:1234", "t0k", True)
     record.write_text(json.dumps({**json.loads(record.read_text()), "pid": 2**22 + 1}))
     with pytest.raises(submit.UserError, match="no Ray cluster found"):
         cluster.resolve(
@@ -129,10 +129,9 @@ def test_cluster_address_order_and_the_local_cluster_file(tmp_path, monkeypatch,
 
     monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:2")
     assert cluster.resolve(None, contextlib.ExitStack()).address == "http://127.0.0.1:2"
-    assert (
-        cluster.resolve("http://127.0.0.1:3", contextlib.ExitStack()).address
-        == "http://127.0.0.1:3"
-    )
+    given = cluster.resolve("http://127.0.0.1:3", contextlib.ExitStack())
+    assert (given.address, given.local) == ("http://127.0.0.1:3", True)
+    assert not cluster.resolve("http://10.0.0.5:8265", contextlib.ExitStack()).local
 
 
 def test_port_forward_command_from_the_stack_is_parsed():

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from trainer.errors import UserError
 
@@ -36,6 +37,12 @@ class Target:
     address: str
     token: str | None  # None: RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH, read at request time
     source: str
+    local: bool  # a cluster on this machine: its files are the job's files
+
+
+def is_loopback(address: str) -> bool:
+    host = urlparse(address if "://" in address else f"http://{address}").hostname
+    return host in ("127.0.0.1", "localhost", "::1")
 
 
 def local_cluster_file() -> Path:
@@ -74,7 +81,7 @@ def _local_cluster() -> Target | None:
         return None
     token_path = Path(record["token_path"])
     token = token_path.read_text().strip() if token_path.exists() else None
-    return Target(record["address"], token, f"local cluster ({path})")
+    return Target(record["address"], token, f"local cluster ({path})", local=True)
 
 
 def _stack_outputs() -> dict[str, Any] | None:
@@ -243,15 +250,17 @@ def _from_stack(outputs: dict[str, Any], stack: contextlib.ExitStack) -> Target:
     stack.callback(forward.close)
     log.info("opening an SSM port forward to the head (%s) …", instance)
     forward.wait_ready()
-    return Target(forward.address, token, f"infra stack (SSM to {instance})")
+    # 127.0.0.1, but the far end of a tunnel: the cluster's files are not this machine's.
+    return Target(forward.address, token, f"infra stack (SSM to {instance})", local=False)
 
 
 def resolve(address: str | None, stack: contextlib.ExitStack) -> Target:
     """The cluster to talk to; anything opened to reach it is closed by `stack`."""
     if address:
-        return Target(address, None, "--address")
+        return Target(address, None, "--address", is_loopback(address))
     if os.environ.get("RAY_ADDRESS"):
-        return Target(os.environ["RAY_ADDRESS"], None, "RAY_ADDRESS")
+        address = os.environ["RAY_ADDRESS"]
+        return Target(address, None, "RAY_ADDRESS", is_loopback(address))
     outputs = _stack_outputs()
     if outputs is not None:
         return _from_stack(outputs, stack)
