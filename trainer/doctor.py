@@ -1,9 +1,9 @@
 """`python -m trainer doctor`: check every alive node before a run finds the problem.
 
-Runs as a Ray job's entrypoint (tools/submit.py doctor submits it). One zero-CPU task is
+Runs as a Ray job's entrypoint (tools/submit.py doctor submits it). One zero-CPU actor is
 pinned to each alive node and reports what that node would give a training worker:
-versions, devices, free memory, the shared folder, the bucket and token auth. Then one
-actor per node joins a gloo group and all-reduces a known tensor, so a firewall or a
+versions, devices, free memory, the shared folder, the bucket and token auth. Then the
+same actors join a gloo group and all-reduces a known tensor, so a firewall or a
 wrong interface between nodes shows up here instead of at the first collective of a run.
 The result is one `RAYLIFT_DOCTOR {json}` line; the client renders and judges it.
 """
@@ -32,16 +32,15 @@ def _short(exc: BaseException) -> str:
 
 
 def _versions() -> dict[str, dict[str, Any]]:
-    import ray
-    import torch
-    import transformers
+    from importlib.metadata import PackageNotFoundError, version
 
-    return {
-        "python": _row(platform.python_version()),
-        "ray": _row(ray.__version__),
-        "torch": _row(torch.__version__),
-        "transformers": _row(transformers.__version__),
-    }
+    rows = {"python": _row(platform.python_version())}
+    for name in ("ray", "torch", "transformers"):
+        try:
+            rows[name] = _row(version(name))  # the installed one, without importing it
+        except PackageNotFoundError:
+            rows[name] = _row("not installed", False)
+    return rows
 
 
 def _devices() -> dict[str, dict[str, Any]]:
@@ -151,7 +150,11 @@ def node_report(options: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Member:
-    """One per node: joins the gloo group and all-reduces its rank + 1."""
+    """One per node, pinned there: reports the node, then joins the gloo group and
+    all-reduces its rank + 1 (one process per node does both, to start fewer)."""
+
+    def report(self, options: dict[str, Any]) -> dict[str, Any]:
+        return node_report(options)
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -182,16 +185,7 @@ class _Member:
             dist.destroy_process_group()
 
 
-def _collective(ray: Any, nodes: list[dict[str, Any]]) -> dict[str, Any]:
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    member = ray.remote(num_cpus=0)(_Member)
-    actors = [
-        member.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(n["node_id"], soft=False)
-        ).remote()
-        for n in nodes
-    ]
+def _collective(ray: Any, actors: list[Any]) -> dict[str, Any]:
     world = len(actors)
     want = world * (world + 1) / 2
     try:
@@ -202,9 +196,6 @@ def _collective(ray: Any, nodes: list[dict[str, Any]]) -> dict[str, Any]:
         )
     except Exception as exc:
         return _row(f"gloo all-reduce over {world} nodes failed: {_short(exc)}", False)
-    finally:
-        for a in actors:
-            ray.kill(a)
     ok = all(s == want for s in sums)
     return _row(f"gloo all-reduce over {world} nodes: sum {sums[0]:g} (want {want:g})", ok)
 
@@ -232,19 +223,24 @@ def run(options: dict[str, Any]) -> dict[str, Any]:
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
     nodes = alive_nodes()
-    task = ray.remote(num_cpus=0, max_retries=0)(node_report)
-    refs = [
-        task.options(
+    member = ray.remote(num_cpus=0, max_restarts=0)(_Member)
+    actors = [
+        member.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(n["node_id"], soft=False)
-        ).remote(options)
+        ).remote()
         for n in nodes
     ]
+    refs = [a.report.remote(options) for a in actors]
     for node, ref in zip(nodes, refs, strict=True):
         try:
             node.update(ray.get(ref, timeout=300))
         except Exception as exc:
-            node["checks"] = {"reachable": _row(f"task failed: {_short(exc)}", False)}
-    collective = _collective(ray, nodes) if nodes else _row("no alive nodes", False)
+            node["checks"] = {"reachable": _row(f"no answer: {_short(exc)}", False)}
+    try:
+        collective = _collective(ray, actors) if actors else _row("no alive nodes", False)
+    finally:
+        for a in actors:
+            ray.kill(a)
     return {"nodes": nodes, "collective": collective}
 
 
