@@ -413,6 +413,10 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+        except KeyboardInterrupt:
+            # Ctrl-C leaves the job alone: following it is not owning it.
+            print("interrupted; a submitted job keeps running (see `submit.py status`)")
+            return 130
 
 
 def _run_config(args: argparse.Namespace) -> JobConfig:
