@@ -49,6 +49,13 @@ def test_run_lifecycle_through_the_verbs(ray_cluster, job, capsys):
         )[-3000:]
         time.sleep(0.5)
     assert progress.step and progress.step >= 2, "no training step in time"
+    # The driver runs on the head (no CPUs there), with memory reserved for it there.
+    head = ray_cluster._cluster.head_node.node_id
+    assert client.get_job_info("raylift-cli-1").driver_node_id == head
+    assert submit.driver_placement(url) == {
+        "entrypoint_memory": submit.DRIVER_MEMORY,
+        "entrypoint_label_selector": {"ray.io/node-id": head},
+    }
 
     assert submit.main(["status", "cli", *common]) == 0
     lines = dict(
