@@ -11,6 +11,7 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
+from infra.catalog import CatalogError, load_catalog
 from infra.checks import check_image_in_ecr, report_quotas
 from infra.components.alerts import CapacityAlerts
 from infra.components.ami import pinned_ami
@@ -23,9 +24,8 @@ from infra.components.security import ClusterSecurity, SecurityArgs
 from infra.components.storage import Storage, StorageArgs
 from infra.components.userdata import NodeBootstrap, render_user_data
 from infra.image_tags import ImageTags, resolve_tags
-from infra.settings import POOL_MARKETS, StackSettings, parse_settings
+from infra.settings import POOL_MARKETS, SettingsError, StackSettings, parse_settings
 from infra.summary import pool_summary
-from trainer.catalog import get_instance
 
 # Top-level `raylift:` keys a stack file may set (see Pulumi.example.yaml).
 _OBJECT_KEYS = ("network", "storage", "registry", "image", "ray", "pools")
@@ -43,7 +43,11 @@ def read_settings() -> StackSettings:
         value = cfg.get_object(key)
         if value is not None:
             raw[key] = value
-    return parse_settings(raw)
+    try:
+        return parse_settings(raw)
+    except (CatalogError, SettingsError) as exc:
+        # RunError: the CLI prints the message alone, one line, no Python traceback.
+        raise pulumi.RunError(str(exc)) from None
 
 
 def pool_labels(pool: str, extra: dict[str, str]) -> dict[str, str]:
@@ -171,7 +175,7 @@ def main() -> dict[str, Any]:
     for pool, spec in enabled.items():
         assert isinstance(image_tags, ImageTags)
         role = "head" if pool == "head" else "worker"
-        instance = get_instance(spec.instance_types[0])
+        instance = load_catalog().instances[spec.instance_types[0]]
         use_gpus = instance.gpu_count > 0
         # The CPU pool runs the oneCCL build of the trainer image; everything else the GPU one.
         tag = image_tags.cpu if pool == "cpu" else image_tags.gpu

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from trainer.catalog import load_instances
+from infra.catalog import load_catalog
 
 Market = Literal["on-demand", "spot"]
 
@@ -223,11 +223,12 @@ class PoolSettings(_Model):
     @field_validator("instance_types")
     @classmethod
     def _known_types(cls, value: list[str]) -> list[str]:
-        known = load_instances()
+        catalog = load_catalog()
+        known = catalog.instances
         unknown = [t for t in value if t not in known]
         if unknown:
             raise ValueError(
-                f"unknown instance type(s) {unknown}; add them to trainer/catalog/instances.yaml"
+                f"unknown instance type(s) {unknown}; add them to {catalog.display_path}"
             )
         if len(set(value)) != len(value):
             raise ValueError("instance types must not repeat")
@@ -322,6 +323,9 @@ def parse_settings(raw: Mapping[str, Any]) -> StackSettings:
     Raises SettingsError with one line per problem, each prefixed with the `raylift:` key path,
     so `pulumi preview` tells the user exactly which line of their stack file to fix.
     """
+    # The catalog first, outside validation: a broken catalog file is its own one-line error,
+    # not a complaint about whichever pool happened to be validated first.
+    load_catalog()
     data = dict(raw)
     data["pools"] = _merge(_default_pools(), data.get("pools") or {})
     try:

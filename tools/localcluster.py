@@ -52,15 +52,24 @@ def _short_temp_root() -> str:
 
 
 class LocalCluster:
-    def __init__(self, num_cpus: int = 2, head_labels: dict[str, str] | None = None):
+    def __init__(
+        self,
+        num_cpus: int = 2,
+        head_labels: dict[str, str] | None = None,
+        token: str | None = None,
+        dashboard_port: int = 0,
+    ):
+        """`token` and `dashboard_port` let a replacement head come back at the same
+        address with the same credentials (a head restart); by default both are new."""
         self.num_cpus = num_cpus
         self.head_labels = dict(head_labels or {})
-        self.token = secrets.token_hex(32)
+        self.token = token or secrets.token_hex(32)
         self.root: Path | None = None
         self.temp_dir: Path | None = None
-        self.dashboard_port = 0
+        self.dashboard_port = dashboard_port
         self._cluster: Any = None
         self._saved_env: dict[str, str | None] = {}
+        self.worker_nodes: list[tuple[Any, dict[str, str]]] = []  # (Ray node, its labels)
 
     @property
     def address(self) -> str:
@@ -134,7 +143,7 @@ class LocalCluster:
         self.token_path.write_text(self.token)
         self.token_path.chmod(0o600)
         self._set_env()
-        self.dashboard_port = free_port()
+        self.dashboard_port = self.dashboard_port or free_port()
         try:
             self._cluster = Cluster(
                 initialize_head=True,
@@ -169,7 +178,7 @@ class LocalCluster:
     ) -> Any:
         """`env`: variables only this node's raylet (and so its workers) sees, e.g. to give
         one node a credential or a mount path the others do not have."""
-        return self._cluster.add_node(
+        node = self._cluster.add_node(
             node_ip_address=HOST,
             num_cpus=num_cpus,
             labels=dict(labels or {}),
@@ -177,6 +186,14 @@ class LocalCluster:
             object_store_memory=128 * 1024 * 1024,
             env_vars=dict(env or {}),
         )
+        self.worker_nodes.append((node, dict(labels or {})))
+        return node
+
+    def kill_node(self, node: Any) -> None:
+        """A node lost at once (its raylet and every worker on it), as a reclaimed spot
+        instance or a dead machine: no graceful shutdown."""
+        self._cluster.remove_node(node, allow_graceful=False)
+        self.worker_nodes = [(n, lab) for n, lab in self.worker_nodes if n is not node]
 
     def _get(self, path: str) -> Any:
         req = urllib.request.Request(self.dashboard_url + path, headers=self.auth_headers)

@@ -12,6 +12,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from trainer import journal
 from trainer.metrics import lineage, read_records
 from trainer.storage import resolve
 
@@ -22,7 +23,14 @@ def load_run(run_uri: str, endpoint_override: str | None = None) -> dict[str, An
     steps, wasted = lineage(records)
     evals = [r for r in steps if "eval_loss" in r]
     restarts = sum(1 for r in records if r.get("event") == "resume")
-    return {"steps": steps, "evals": evals, "wasted_steps": wasted, "restarts": restarts}
+    faults = journal.summarize(journal.read(run))
+    return {
+        "steps": steps,
+        "evals": evals,
+        "wasted_steps": wasted,
+        "restarts": restarts,
+        "journal": faults,
+    }
 
 
 def plot(run: dict[str, Any], out: Path, title: str) -> Path:
@@ -75,6 +83,30 @@ def summary_lines(run: dict[str, Any]) -> list[str]:
         lines.append(
             f"eval loss: {run['evals'][-1]['eval_loss']:.4f} "
             f"(perplexity {run['evals'][-1]['eval_perplexity']:.2f})"
+        )
+    return lines + journal_lines(run.get("journal") or {})
+
+
+def journal_lines(j: dict[str, Any]) -> list[str]:
+    """The run journal's account of faults: what failed, what each restart cost."""
+    if not j or not j.get("attempts"):
+        return []
+    causes = ", ".join(f"{n} {c}" for c, n in sorted(j["failures"].items())) or "none"
+    lines = [
+        f"attempts: {j['attempts']} (failures: {causes}); lost per restart: "
+        f"{j['lost_steps'] or []} steps, {j['lost_s']:.0f} s in all",
+    ]
+    if j["checkpoints"]:
+        save = "n/a" if j["mean_save_s"] is None else f"{j['mean_save_s']:.2f} s"
+        up = "n/a" if j["mean_upload_s"] is None else f"{j['mean_upload_s']:.2f} s"
+        lines.append(
+            f"checkpoints: {j['checkpoints']} (mean save {save}, mean upload {up}, "
+            f"upload retries {j['upload_retries']})"
+        )
+    for p in j["preemptions"]:
+        left = "?" if p["deadline_s"] is None else f"{p['deadline_s']:.0f} s"
+        lines.append(
+            f"spot notice at step {p['step']}: saved in {p['save_s']:.1f} s with {left} left"
         )
     return lines
 

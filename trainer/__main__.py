@@ -1,4 +1,6 @@
-"""`python -m trainer run|validate|plan job.yaml [--set section.field=value ...]`, `doctor`.
+"""`python -m trainer run|validate|plan job.yaml [--set section.field=value ...]`,
+`python -m trainer doctor` (the cluster check, trainer.doctor), and `python -m trainer
+agent` (the spot-notice node agent, trainer.agent).
 
 The same command runs as a Ray job's entrypoint (it starts a TorchTrainer on the cluster)
 and under torchrun (it detects the torchrun environment and trains in-process), so Slurm
@@ -57,12 +59,19 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--endpoint-override", help="S3-compatible endpoint for --bucket")
     s.add_argument("--region", help="S3 region for --bucket")
     s.add_argument("--debug", action="store_true", help="show tracebacks")
+    from trainer import agent
+
+    agent.add_arguments(sub.add_parser("agent", help="the spot-notice node agent (one per node)"))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     setup_logging(args.debug)
+    if args.command == "agent":
+        from trainer.agent import main as agent_main
+
+        return agent_main(args)
     try:
         if args.command == "doctor":
             from trainer import doctor

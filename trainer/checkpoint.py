@@ -103,6 +103,8 @@ def _read_json(loc: Location, rel: str) -> Any:
 def completeness(loc: Location) -> tuple[dict[str, Any] | None, str]:
     """(trainer_state, "") if the checkpoint at `loc` is complete, else (None, reason)."""
     sizes = _sizes(loc)
+    if not sizes:
+        return None, "empty"
     if STATE_FILE not in sizes:
         return None, f"{STATE_FILE} missing"
     try:
@@ -146,6 +148,8 @@ def find_latest(run: Location, allow_scratch: bool = False) -> Location | None:
         state, why = completeness(loc)
         if state is not None:
             return loc
+        if why == "empty":
+            continue  # a folder marker an object store kept after a prune: nothing there
         log.warning("checkpoint %s is incomplete (%s); using an earlier one", loc.uri, why)
         torn.append(f"{loc.uri} ({why})")
     if torn and not allow_scratch:
@@ -181,6 +185,19 @@ def prune(run: Location, keep_last: int) -> None:
     for _, loc in doomed:
         log.info("pruning checkpoint %s", loc.uri)
         run.fs.delete_dir(loc.path)
+
+
+def discard_torn_after(run: Location, step: int) -> list[str]:
+    """Delete torn checkpoint folders newer than `step` (the one being resumed from): a
+    new attempt writes those steps again, and must not write into leftovers of a dead one
+    (a stale manifest plus new files could pass for a complete checkpoint)."""
+    gone = []
+    for s, loc in list_checkpoints(run):
+        if s > step and completeness(loc)[0] is None:
+            log.warning("removing torn checkpoint %s left by a failed attempt", loc.uri)
+            run.fs.delete_dir(loc.path)
+            gone.append(loc.uri)
+    return gone
 
 
 def load_state(ckpt: Path) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.errors import ConfigError
 
@@ -189,7 +189,17 @@ class TrainSection(_Section):
 
 
 class ScalingSection(_Section):
-    num_workers: int = Field(default=2, ge=1, description="Ray Train workers (one per GPU).")
+    num_workers: int | tuple[int, int] = Field(
+        default=2,
+        description="Ray Train workers (one per GPU), or [min, max] for elastic training: "
+        "the run goes on with fewer workers after losing nodes and grows back when they "
+        "return; the global batch stays that of max workers (grad_accum adapts).",
+    )
+    elastic_resize_interval_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="Elastic runs: seconds between checks for returned capacity to grow into.",
+    )
     use_gpu: bool = Field(
         default=False, description="One GPU per worker unless resources say more."
     )
@@ -203,6 +213,30 @@ class ScalingSection(_Section):
         default_factory=lambda: {"large_cpu_mem": "true"},
         description="Put rank 0 on a node with these labels when the cluster has one.",
     )
+
+    @field_validator("num_workers")
+    @classmethod
+    def _workers(cls, v: int | tuple[int, int]) -> int | tuple[int, int]:
+        if isinstance(v, tuple):
+            lo, hi = v
+            if not 1 <= lo <= hi:
+                raise ValueError(f"[min, max] needs 1 <= min <= max, got [{lo}, {hi}]")
+            return lo if lo == hi else (lo, hi)
+        if v < 1:
+            raise ValueError(f"must be at least 1, got {v}")
+        return v
+
+    @property
+    def elastic(self) -> bool:
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if isinstance(self.num_workers, tuple) else self.num_workers
 
 
 class CheckpointSection(_Section):
@@ -220,6 +254,22 @@ class CheckpointSection(_Section):
         default=False,
         description="If the run folder holds only torn checkpoints, train from step 0 "
         "(with a warning) instead of stopping with an error that names them.",
+    )
+    upload: Literal["async", "sync"] = Field(
+        default="async",
+        description="async: training goes on while a checkpoint uploads (Ray Train); a "
+        "checkpoint counts only once its upload completed and verified. sync: wait.",
+    )
+    max_uploads_in_flight: int = Field(
+        default=1,
+        ge=1,
+        description="Async uploads queued or running at once; a checkpoint due beyond it waits.",
+    )
+    upload_retry_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="How long an upload retries transient storage errors (throttling, a "
+        "server briefly down) with backoff before the attempt fails.",
     )
 
 
@@ -241,6 +291,11 @@ class RunSection(_Section):
     name: str = Field(description="Run name; same name + storage = resume.")
     max_failures: int = Field(
         default=3, ge=-1, description="Worker-group restarts allowed; -1 = forever."
+    )
+    max_preemptions: int = Field(
+        default=-1,
+        ge=-1,
+        description="Restarts after spot preemptions (counted apart from failures); -1 = forever.",
     )
 
 
@@ -299,12 +354,12 @@ class JobConfig(_Section):
                 f"build, not {self.strategy.name}; adapters are small enough to replicate"
             )
         if t.global_batch_size is not None:
-            per_step = t.micro_batch_size * s.num_workers
+            per_step = t.micro_batch_size * s.max_workers
             if t.global_batch_size % per_step:
                 raise ValueError(
                     f"train.global_batch_size: {t.global_batch_size} is not divisible by "
                     f"micro_batch_size × num_workers = {t.micro_batch_size} × "
-                    f"{s.num_workers} = {per_step}"
+                    f"{s.max_workers} = {per_step}"
                 )
             derived = t.global_batch_size // per_step
             if t.grad_accum not in (1, derived):
@@ -313,6 +368,22 @@ class JobConfig(_Section):
                     f"{t.global_batch_size} (which implies {derived}); set only one"
                 )
             object.__setattr__(t, "grad_accum", derived)
+        if s.elastic and self.strategy.name == "deepspeed":
+            raise ValueError(
+                "scaling.num_workers: [min, max] (elastic) needs strategy ddp or fsdp; "
+                "DeepSpeed resumes its checkpoint only on the world size that wrote it"
+            )
+        if s.elastic:
+            gb = t.micro_batch_size * t.grad_accum * s.max_workers
+            bad = [
+                w for w in range(s.min_workers, s.max_workers + 1) if gb % (t.micro_batch_size * w)
+            ]
+            if bad:
+                raise ValueError(
+                    f"scaling.num_workers: the global batch {gb} cannot be kept on "
+                    f"{', '.join(map(str, bad))} worker(s) (not divisible by micro_batch_size "
+                    f"{t.micro_batch_size} × workers); pick [min, max] whose sizes divide it"
+                )
         if t.epochs is None and t.max_steps is None:
             raise ValueError("train: set epochs or max_steps")
         if t.max_steps is not None and t.stop_at_step is not None and t.stop_at_step > t.max_steps:
@@ -346,7 +417,12 @@ class JobConfig(_Section):
     @property
     def global_batch(self) -> int:
         """Sequences per optimizer step across all workers."""
-        return self.train.micro_batch_size * self.train.grad_accum * self.scaling.num_workers
+        return self.train.micro_batch_size * self.train.grad_accum * self.scaling.max_workers
+
+    def grad_accum_for(self, world_size: int) -> int:
+        """Micro steps per optimizer step on `world_size` workers that keep the global
+        batch (an elastic run that lost workers accumulates more)."""
+        return self.global_batch // (self.train.micro_batch_size * world_size)
 
     @property
     def tokens_per_step(self) -> int:

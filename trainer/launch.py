@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -61,7 +62,7 @@ def _rank0_selector(cfg: JobConfig) -> list[dict[str, str]] | None:
         labels = node.get("Labels") or {}
         if node.get("Alive") and all(labels.get(k) == v for k, v in want.items()):
             log.info("rank 0 → node %s (labels %s)", node.get("NodeManagerAddress"), want)
-            return [dict(want)] + [{} for _ in range(cfg.scaling.num_workers - 1)]
+            return [dict(want)] + [{} for _ in range(cfg.scaling.max_workers - 1)]
     log.info("no node labelled %s; rank 0 placed freely", want)
     return None
 
@@ -81,6 +82,9 @@ def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
                 "or run under torchrun"
             )
         ray.init(address=address, log_to_driver=True)
+    from trainer.raycallbacks import FailureJournal
+    from trainer.storage import retrying
+
     run = run_location(cfg)
     resources = dict(cfg.scaling.resources_per_worker or {})
     scaling = ScalingConfig(
@@ -88,15 +92,25 @@ def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
         use_gpu=cfg.scaling.use_gpu,
         resources_per_worker=resources or None,
         label_selector=_rank0_selector(cfg),
+        elastic_resize_monitor_interval_s=cfg.scaling.elastic_resize_interval_s,
     )
     storage_root = run.path.rsplit("/", 1)[0]
     run_config = RunConfig(
         name=cfg.run.name,
         storage_path=storage_root,
-        storage_filesystem=run.fs,
-        failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+        # On S3, Ray's own writes (its checkpoint registry) retry storage blips too.
+        storage_filesystem=retrying(run.fs, cfg.checkpoint.upload_retry_s) if run.is_s3 else run.fs,
+        failure_config=FailureConfig(
+            max_failures=cfg.run.max_failures,
+            max_preemption_failures=cfg.run.max_preemptions,
+        ),
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
         worker_runtime_env={"env_vars": _worker_env()},
+        callbacks=[
+            FailureJournal(
+                cfg.storage.path, cfg.storage.endpoint_override, cfg.storage.region, cfg.run.name
+            )
+        ],
     )
     trainer = TorchTrainer(
         ray_worker,
@@ -104,6 +118,11 @@ def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
         scaling_config=scaling,
         run_config=run_config,
         torch_config=torch_config(cfg),
+    )
+    from trainer.journal import Journal
+
+    Journal(run, f"driver-{int(time.time() * 1000)}").add(
+        "driver", submission=os.environ.get("RAY_JOB_SUBMISSION_ID")
     )
     result = trainer.fit()
     summary = {
@@ -154,6 +173,7 @@ def _worker_env() -> dict[str, str]:
         "TRANSFORMERS_OFFLINE",
         "DS_ACCELERATOR",
         "TORCH_EXTENSIONS_DIR",
+        "RAYLIFT_FAULT_UPLOAD_PAUSE_S",
     )
     return {k: os.environ[k] for k in keep if k in os.environ}
 

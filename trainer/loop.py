@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import checkpoint as ckpt_mod
+from trainer import journal as journal_mod
 from trainer.checkpoint import (
     CheckpointManager,
     Identity,
@@ -137,10 +138,12 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
                 "put the data on the shared FS (EFS), mounted at the same path on every node"
             )
     train_blocks = PackedBlocks(TokenCache(Path(prep.train_cache)), cfg.data.block_size)
+    # The global batch is fixed by the config; on fewer workers (an elastic run that lost
+    # a node) each accumulates more micro steps, and the global sample order is unchanged.
     plan = BatchPlan(
         len(train_blocks),
         cfg.train.micro_batch_size,
-        cfg.train.grad_accum,
+        cfg.grad_accum_for(rt.world_size),
         rt.world_size,
         cfg.train.seed,
     )
@@ -183,8 +186,12 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     if resume_dir is not None:
         manager.restore(resume_dir)
     start = ts.step
+    if rt.rank == 0 and manager.enabled:
+        ckpt_mod.discard_torn_after(rt.run, start)
+    rt.barrier()
 
     metrics_file = _open_metrics(cfg, rt, start, resume_dir)
+    _journal_attempt(rt, metrics_file, start)
     end = steps if cfg.train.stop_at_step is None else min(steps, cfg.train.stop_at_step)
     if rt.rank == 0:
         log.info(
@@ -210,6 +217,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     strategy.model.train()
     window_start, window_tokens = time.perf_counter(), 0
     last_report = time.monotonic()
+    preempted: dict[str, Any] | None = None
     for step in range(start, end):
         t0 = time.perf_counter()
         micro = batches.micro_batches(step)
@@ -230,7 +238,19 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         window_tokens += cfg.tokens_per_step
 
         is_last = done == end
-        save = manager.due(done, end)
+        # A spot notice (a node drain seen by Ray) checkpoints at once; Ray restarts the
+        # group off the node after it, so the steps since the last checkpoint are kept.
+        if preempted is None and not cfg.train.as_test:
+            preempted = rt.preemption()
+            if preempted is not None and rt.rank == 0:
+                log.warning(
+                    "step %d: node preemption notice (ranks %s, %s s left): checkpointing now",
+                    done,
+                    preempted["ranks"],
+                    "?" if preempted["deadline_s"] is None else f"{preempted['deadline_s']:.0f}",
+                )
+        emergency = preempted is not None and not is_last
+        save = manager.due(done, end) or emergency
         export = manager.export_due(done, end, final=end == steps)
         log_now = done % cfg.train.log_every == 0 or is_last or save
         if not log_now and not export:
@@ -278,6 +298,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
             _export(rt, strategy, tokenizer, done)
         ckpt_dir = None
         if save:
+            saving = time.monotonic()
             ckpt_dir = manager.save(
                 {
                     "epoch": step // plan.steps_per_epoch,
@@ -286,21 +307,47 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
                     "metrics": {k: v for k, v in metrics.items() if v is not None},
                 }
             )
+            rt.note_save(done, time.monotonic() - saving)
             if rt.rank == 0 and metrics_file is not None:
                 metrics_file.flush()
+        kind = "emergency" if emergency else ("final" if is_last else "periodic")
+        owned = False
         try:
             if ckpt_dir is not None or due or is_last:
-                rt.report(metrics, done, ckpt_dir)
+                owned = rt.report(metrics, done, ckpt_dir, kind)
                 last_report = time.monotonic()
         finally:
-            if ckpt_dir is not None:
+            if ckpt_dir is not None and not owned:
                 shutil.rmtree(ckpt_dir, ignore_errors=True)
+        if emergency:
+            assert preempted is not None
+            took = time.monotonic() - saving
+            left = preempted["deadline_s"]
+            if rt.rank == 0:
+                log.warning(
+                    "emergency checkpoint of step %d saved in %.1f s%s",
+                    done,
+                    took,
+                    "" if left is None else f" of the {left:.0f} s left before the reclaim",
+                )
+                if rt.journal is not None:
+                    rt.journal.add(
+                        "preemption",
+                        step=done,
+                        ranks=preempted["ranks"],
+                        deadline_s=left,
+                        save_s=round(took, 3),
+                        margin_s=None if left is None else round(left - took, 3),
+                    )
+            rt.wait_out_preemption(None if left is None else left - took)
         # Throughput is training throughput: eval and checkpoint time are not in the window.
         window_start = time.perf_counter()
     if rt.rank == 0 and metrics_file is not None:
         metrics_file.flush()
     if not cfg.train.as_test and end == steps and start < end:
         _write_probe(rt, strategy, train_blocks, device)
+    if rt.journal is not None:
+        rt.journal.add("finished" if end == steps else "stopped", step=end)
     rt.release_fetched()
     return last
 
@@ -333,6 +380,33 @@ def _write_probe(
         body = json.dumps({"input_ids": x.cpu().tolist(), "logits": logits.tolist()})
         with loc.fs.open_output_stream(loc.path) as f:
             f.write(body.encode())
+
+
+def _journal_attempt(rt: Runtime, metrics_file: MetricsFile | None, start: int) -> None:
+    """The attempt's first journal record: where it resumed, and what the restart cost
+    (steps trained past that checkpoint, and the wall time since the last step)."""
+    if rt.journal is None:
+        return
+    previous = [
+        r
+        for r in read_records(rt.run.join("metrics.jsonl"))
+        if r.get("event") == "train"
+        and metrics_file is not None
+        and r.get("attempt", 0) < metrics_file.attempt
+    ]
+    last_step = max((int(r["step"]) for r in previous), default=start)
+    last_time = max((float(r["time"]) for r in previous), default=None)
+    trained = [r for r in journal_mod.read(rt.run) if r["source"].startswith("attempt-")]
+    if trained and trained[-1]["event"] == "stopped":
+        last_step, last_time = start, None  # resubmitted after a clean stop: nothing lost
+    rt.journal.add(
+        "attempt",
+        attempt=metrics_file.attempt if metrics_file is not None else 1,
+        world_size=rt.world_size,
+        from_step=start,
+        lost_steps=max(0, last_step - start),
+        lost_s=None if last_time is None else round(time.time() - last_time, 3),
+    )
 
 
 def _open_metrics(

@@ -51,11 +51,17 @@ class MetricsFile:
             self._dirty = True
 
     def flush(self) -> None:
+        """Rewrite the object (S3 has no append). A storage outage must not stop training:
+        the records stay in memory and the next flush writes them."""
         if self._appendable or not self._dirty:
             return
         body = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self._records).encode()
-        with self.loc.fs.open_output_stream(self.loc.path) as f:
-            f.write(body)
+        try:
+            with self.loc.fs.open_output_stream(self.loc.path) as f:
+                f.write(body)
+        except OSError as exc:
+            log.warning("%s not written (%s); will retry at the next flush", self.loc.uri, exc)
+            return
         self._dirty = False
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from trainer.config import JobConfig
-from trainer.data import load_special_tokens
+from trainer.documents import load_special_tokens
 from trainer.errors import DeviceError, UserError
 
 log = logging.getLogger(__name__)

@@ -71,7 +71,7 @@ def check_model(cfg: JobConfig, strict: bool, report: Report) -> None:
 def check_data_file(path: str, what: str, strict: bool, on_bad_line: str, report: Report) -> None:
     """Existence, and the first lines' shape, so a wrong file fails in a second. The whole
     file is checked line by line when it is tokenized, still before workers start."""
-    from trainer.data import ScanReport, iter_documents
+    from trainer.documents import ScanReport, iter_documents
 
     if path.startswith("s3://"):
         raise UserError(f"{what} {path}: data is read from a local or shared-FS path (e.g. EFS)")
@@ -90,8 +90,16 @@ def check_data_file(path: str, what: str, strict: bool, on_bad_line: str, report
         raise DataError(f"{what} {path}: the file has no documents")
 
 
-def check_storage(cfg: JobConfig) -> None:
-    from trainer.storage import check_writable, resolve
+def check_storage(cfg: JobConfig, report: Report) -> None:
+    try:
+        from trainer.storage import check_writable, resolve
+    except ImportError as exc:
+        # A laptop with only the core install has no pyarrow; the driver runs this probe again
+        # (strictly) on the cluster before any worker starts.
+        report.notes.append(
+            f"storage.path {cfg.storage.path}: not probed from here ({exc}); checked on the cluster"
+        )
+        return
 
     loc = resolve(cfg.storage.path, cfg.storage.endpoint_override, cfg.storage.region)
     check_writable(loc)
@@ -104,7 +112,7 @@ def run_all(cfg: JobConfig, strict: bool = True) -> Report:
     if cfg.model.tokenizer and not cfg.model.tokenizer.startswith("s3://"):
         _local_or_note(cfg.model.tokenizer, "model.tokenizer", strict, report)
     if cfg.model.special_tokens:
-        from trainer.data import load_special_tokens
+        from trainer.documents import load_special_tokens
 
         if _local_or_note(cfg.model.special_tokens, "model.special_tokens", strict, report):
             load_special_tokens(cfg.model.special_tokens)
@@ -112,7 +120,7 @@ def run_all(cfg: JobConfig, strict: bool = True) -> Report:
     if cfg.data.eval_file:
         check_data_file(cfg.data.eval_file, "data.eval_file", strict, cfg.data.on_bad_line, report)
     check_strategy(cfg, strict, report)
-    check_storage(cfg)
+    check_storage(cfg, report)
     return report
 
 

@@ -11,6 +11,8 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,8 @@ import torch.distributed as dist
 from trainer import checkpoint as ckpt_mod
 from trainer.config import JobConfig
 from trainer.errors import UserError
-from trainer.storage import Location, download_dir, resolve, upload_dir
+from trainer.journal import Journal
+from trainer.storage import Location, download_dir, resolve, upload_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +66,52 @@ class Runtime:
     run: Location
     allow_scratch: bool = False
     node_labels: dict[str, str] = {}  # noqa: RUF012 - replaced per instance
+    journal: Journal | None = None  # rank 0 only
+    retry_s: float = 300.0
 
     def latest_checkpoint(self) -> Path | None:
         raise NotImplementedError
 
-    def report(self, metrics: dict[str, Any], step: int, ckpt_dir: Path | None) -> None:
+    def report(
+        self, metrics: dict[str, Any], step: int, ckpt_dir: Path | None, kind: str = "periodic"
+    ) -> bool:
+        """Report metrics, and persist `ckpt_dir` as the checkpoint of `step` if given.
+        Returns True when the runtime took the folder over (an async upload deletes it
+        when done); otherwise the caller removes it."""
         raise NotImplementedError
+
+    def preemption(self) -> dict[str, Any] | None:
+        """A pending preemption of one of this run's nodes ({"deadline_s": seconds left or
+        None, "ranks": [...]}), else None. Collective: every rank calls it every step."""
+        return None
+
+    def wait_out_preemption(self, deadline_s: float | None) -> None:
+        """After the emergency checkpoint: stop stepping (steps now would be lost) and
+        wait for the runtime to tear this worker group down and restart it elsewhere."""
+        return None
+
+    def _upload(self, src: Path, step: int, kind: str) -> Location:
+        """Persist a checkpoint folder (retrying transient errors) and journal it."""
+        target = self.run.join(ckpt_mod.dir_name(step))
+        started = time.monotonic()
+
+        def on_retry(n: int, exc: BaseException) -> None:
+            if self.journal is not None:
+                self.journal.add("upload_retry", step=step, attempt=n, error=str(exc)[:300])
+
+        upload_checkpoint(src, target, self.retry_s, on_retry)
+        if self.journal is not None:
+            self.journal.add(
+                "checkpoint",
+                step=step,
+                kind=kind,
+                save_s=self._save_s.pop(step, None),
+                upload_s=round(time.monotonic() - started, 3),
+            )
+        return target
+
+    def note_save(self, step: int, seconds: float) -> None:
+        self._save_s[step] = round(seconds, 3)
 
     def barrier(self) -> None:
         if dist.is_initialized() and self.world_size > 1:
@@ -76,6 +119,7 @@ class Runtime:
 
     def __init__(self) -> None:
         self._fetched: list[Path] = []
+        self._save_s: dict[int, float] = {}
 
     def _fetch(self, loc: Location) -> Path:
         """A local path for a checkpoint: in place on a local/shared FS, else a temp copy
@@ -109,6 +153,11 @@ class RayRuntime(Runtime):
         self.run = run_location(cfg)
         self.allow_scratch = cfg.checkpoint.allow_restart_from_scratch
         self.node_labels = dict(ray.get_runtime_context().get_node_labels())
+        self.retry_s = cfg.checkpoint.upload_retry_s
+        self.sync_upload = cfg.checkpoint.upload == "sync"
+        self._slots = threading.BoundedSemaphore(cfg.checkpoint.max_uploads_in_flight)
+        if self.rank == 0 and not cfg.train.as_test:
+            self.journal = Journal(self.run, f"attempt-{int(time.time() * 1000)}-rank0")
 
     def latest_checkpoint(self) -> Path | None:
         """The newer of Ray's registered checkpoint and the newest complete one in
@@ -122,7 +171,7 @@ class RayRuntime(Runtime):
         reported = ray.train.get_checkpoint()
         if reported is not None:
             loc = Location(
-                reported.filesystem,
+                self.run.fs,  # the raw filesystem: Ray may hand a retrying wrapper
                 reported.path,
                 ("s3://" + reported.path) if self.run.is_s3 else reported.path,
             )
@@ -137,18 +186,74 @@ class RayRuntime(Runtime):
             log.info("resuming from %s, newer than Ray's registered %s", newest.uri, loc.uri)
         return self._fetch(newest) if newest is not None else None
 
-    def report(self, metrics: dict[str, Any], step: int, ckpt_dir: Path | None) -> None:
+    def report(
+        self, metrics: dict[str, Any], step: int, ckpt_dir: Path | None, kind: str = "periodic"
+    ) -> bool:
         import ray.train
+        from ray.train import CheckpointUploadMode
 
         clean = {k: v for k, v in metrics.items() if v is not None}
         if ckpt_dir is None:
             ray.train.report(clean)
-            return
+            return False
+        checkpoint = ray.train.Checkpoint.from_directory(str(ckpt_dir))
+
+        def persist(ckpt: Any, name: str) -> Any:
+            target = self._upload(Path(ckpt.path), step, kind)
+            # Registered on Ray's own view of the storage (it may wrap the filesystem).
+            storage_fs = ray.train.get_context().get_storage().storage_filesystem
+            return ray.train.Checkpoint(path=target.path, filesystem=storage_fs)
+
+        # The emergency checkpoint on a spot notice, and the last one, are waited for.
+        if self.sync_upload or kind != "periodic":
+            ray.train.report(
+                clean,
+                checkpoint=checkpoint,
+                checkpoint_dir_name=ckpt_mod.dir_name(step),
+                checkpoint_upload_fn=persist,
+            )
+            return False
+        # Bounded: with max_uploads_in_flight uploads queued or running, the next
+        # checkpoint waits here (training is then faster than storage).
+        waited = time.monotonic()
+        self._slots.acquire()
+        if time.monotonic() - waited > 1.0:
+            log.info("waited %.1f s for an upload slot", time.monotonic() - waited)
+
+        def persist_async(ckpt: Any, name: str) -> Any:
+            try:
+                return persist(ckpt, name)
+            finally:
+                self._slots.release()
+
         ray.train.report(
             clean,
-            checkpoint=ray.train.Checkpoint.from_directory(str(ckpt_dir)),
+            checkpoint=checkpoint,
             checkpoint_dir_name=ckpt_mod.dir_name(step),
+            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+            delete_local_checkpoint_after_upload=True,
+            checkpoint_upload_fn=persist_async,
         )
+        return True
+
+    def preemption(self) -> dict[str, Any] | None:
+        import ray.train
+
+        info = ray.train.get_preemption_info()
+        if info is None:
+            return None
+        left = None if info.deadline_ms is None else info.deadline_ms / 1000.0 - time.time()
+        return {"deadline_s": left, "ranks": list(info.preempted_ranks)}
+
+    def wait_out_preemption(self, deadline_s: float | None) -> None:
+        # Ray Train restarts the worker group when every rank has left or the drain
+        # deadline has passed; returning would end the run as finished, so wait. Past
+        # the deadline plus a margin, something is wrong: fail loudly rather than hang.
+        limit = time.monotonic() + (deadline_s if deadline_s is not None else 120.0) + 120.0
+        log.info("emergency checkpoint done; waiting for the restart off the preempted node")
+        while time.monotonic() < limit:
+            time.sleep(0.5)
+        raise RuntimeError("preempted node was not reclaimed and no restart came in time")
 
 
 class TorchrunRuntime(Runtime):
@@ -162,22 +267,27 @@ class TorchrunRuntime(Runtime):
         self.keep_last = cfg.checkpoint.keep_last
         self.run = run_location(cfg)
         self.allow_scratch = cfg.checkpoint.allow_restart_from_scratch
+        self.retry_s = cfg.checkpoint.upload_retry_s
+        if self.rank == 0 and not cfg.train.as_test:
+            self.journal = Journal(self.run, f"attempt-{int(time.time() * 1000)}-rank0")
         if self.world_size > 1:
             init_process_group(backend)
 
     def latest_checkpoint(self) -> Path | None:
         return self._from_storage()
 
-    def report(self, metrics: dict[str, Any], step: int, ckpt_dir: Path | None) -> None:
+    def report(
+        self, metrics: dict[str, Any], step: int, ckpt_dir: Path | None, kind: str = "periodic"
+    ) -> bool:
         if ckpt_dir is None:
-            return
+            return False
         target = self.run.join(ckpt_mod.dir_name(step))
         if self.rank == 0 and target.fs.get_file_info(target.path).type.name == "Directory":
             # Only a torn leftover can be here: a complete one at this step would have been
             # resumed from. Clear it so old files cannot pass for new ones.
             target.fs.delete_dir(target.path)
         self.barrier()
-        upload_dir(ckpt_dir, target)
+        self._upload(ckpt_dir, step, kind)
         self.barrier()
         if self.rank == 0:
             state, why = ckpt_mod.completeness(target)
@@ -185,3 +295,4 @@ class TorchrunRuntime(Runtime):
                 raise ckpt_mod.CheckpointError(f"{target.uri}: upload incomplete ({why})")
             ckpt_mod.prune(self.run, self.keep_last)
         self.barrier()
+        return False

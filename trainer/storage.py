@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import logging
 import os
 import socket
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from trainer.errors import UserError
@@ -121,6 +126,242 @@ def upload_dir(src: Path, loc: Location) -> None:
     pafs.copy_files(
         str(src), loc.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=loc.fs
     )
+
+
+_PERMANENT = (
+    "AccessDenied",
+    "Access Denied",
+    "NoSuchBucket",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "Forbidden",
+    "Permission denied",
+    "No space left",
+    "Read-only file system",
+)
+
+
+class UploadError(UserError):
+    """A checkpoint upload that failed for good (a permanent error, or transient ones
+    past the retry budget): the checkpoint is not recorded, the previous one stays."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Storage errors worth retrying: throttling, a server briefly down or unreachable,
+    timeouts. Missing permissions, buckets or space are not, whatever the SDK says."""
+    if not isinstance(exc, OSError):
+        return False
+    text = str(exc)
+    return not any(p in text for p in _PERMANENT)
+
+
+class _BufferedWrite(io.RawIOBase):
+    """An output stream that writes its object in one go when closed, retrying transient
+    errors: a storage blip between open and close is then retried too."""
+
+    def __init__(self, fs: pafs.FileSystem, path: str, retry: Callable[..., Any]):
+        self._fs, self._path, self._retry = fs, path, retry
+        self._buf = io.BytesIO()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        return self._buf.write(data)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        body = self._buf.getvalue()
+
+        def put() -> None:
+            with self._fs.open_output_stream(self._path) as f:
+                f.write(body)
+
+        self._retry(put)
+        super().close()
+
+
+class RetryingHandler(pafs.FileSystemHandler):
+    """A filesystem that retries transient errors (throttling, a server briefly down) of
+    every call with backoff, for up to `retry_s` seconds. Ray Train gets its storage
+    through it, so the controller's own writes (its checkpoint registry) survive the same
+    blips as Raylift's uploads. Writes are buffered and sent at close: meant for the small
+    files Ray writes itself; checkpoints go through `upload_checkpoint`."""
+
+    def __init__(self, fs: pafs.FileSystem, retry_s: float):
+        self.fs = fs
+        self.retry_s = retry_s
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, RetryingHandler)
+            and self.fs.equals(other.fs)
+            and self.retry_s == other.retry_s
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.fs.type_name, self.retry_s))
+
+    def __reduce__(self) -> Any:
+        return (RetryingHandler, (self.fs, self.retry_s))
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
+
+        def note(state: Any) -> None:
+            log.warning(
+                "storage call %s failed (try %d): %s; retrying",
+                getattr(fn, "__name__", fn),
+                state.attempt_number,
+                _short(state.outcome.exception()),
+            )
+
+        for attempt in Retrying(
+            stop=stop_after_delay(self.retry_s),
+            wait=wait_exponential(multiplier=0.5, max=10),
+            retry=retry_if_exception(is_transient),
+            before_sleep=note,
+            reraise=True,
+        ):
+            with attempt:
+                return fn(*args)
+        raise AssertionError("unreachable")
+
+    def get_type_name(self) -> str:
+        return f"retrying+{self.fs.type_name}"
+
+    def normalize_path(self, path: str) -> str:
+        return self.fs.normalize_path(path)
+
+    def get_file_info(self, paths: list[str]) -> Any:
+        return self._call(self.fs.get_file_info, paths)
+
+    def get_file_info_selector(self, selector: pafs.FileSelector) -> Any:
+        return self._call(self.fs.get_file_info, selector)
+
+    def create_dir(self, path: str, recursive: bool) -> None:
+        self._call(lambda: self.fs.create_dir(path, recursive=recursive))
+
+    def delete_dir(self, path: str) -> None:
+        self._call(self.fs.delete_dir, path)
+
+    def delete_dir_contents(self, path: str, missing_dir_ok: bool = False) -> None:
+        self._call(lambda: self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok))
+
+    def delete_root_dir_contents(self) -> None:
+        raise OSError("refusing to delete the storage root's contents")
+
+    def delete_file(self, path: str) -> None:
+        self._call(self.fs.delete_file, path)
+
+    def move(self, src: str, dest: str) -> None:
+        self._call(self.fs.move, src, dest)
+
+    def copy_file(self, src: str, dest: str) -> None:
+        self._call(self.fs.copy_file, src, dest)
+
+    def open_input_stream(self, path: str) -> Any:
+        # Whole-object reads: Ray reads its small state files; a retry re-reads.
+        data = self._call(lambda: self.fs.open_input_stream(path).read())
+        return pa.BufferReader(data)
+
+    def open_input_file(self, path: str) -> Any:
+        data = self._call(lambda: self.fs.open_input_file(path).read())
+        return pa.BufferReader(data)
+
+    def open_output_stream(self, path: str, metadata: Any) -> Any:
+        return pa.PythonFile(_BufferedWrite(self.fs, path, self._call), mode="w")
+
+    def open_append_stream(self, path: str, metadata: Any) -> Any:
+        return self._call(lambda: self.fs.open_append_stream(path))
+
+
+def retrying(fs: pafs.FileSystem, retry_s: float) -> pafs.FileSystem:
+    return pafs.PyFileSystem(RetryingHandler(fs, retry_s))
+
+
+def upload_checkpoint(
+    src: Path,
+    loc: Location,
+    retry_s: float,
+    on_retry: Callable[[int, BaseException], None] | None = None,
+) -> int:
+    """Copy a checkpoint folder to storage so that it can never look complete early: the
+    data files first, the rank manifests (`done/`) last. Transient errors are retried with
+    exponential backoff for up to `retry_s` seconds, re-copying the whole folder (an object
+    store has no partial objects, a file system's partial file has the wrong size, and a
+    manifest lists sizes). Returns the number of attempts it took."""
+    from tenacity import (
+        RetryError,
+        Retrying,
+        retry_if_exception,
+        stop_after_delay,
+        wait_exponential,
+    )
+
+    files = sorted(p for p in src.rglob("*") if p.is_file())
+    ordered = [p for p in files if p.relative_to(src).parts[0] != "done"] + [
+        p for p in files if p.relative_to(src).parts[0] == "done"
+    ]
+
+    # Fault injection for the test suite and for chaos drills on a real cluster: hold the
+    # upload between the data files and the manifests, the window a kill or a storage
+    # outage must not turn into a checkpoint that looks complete.
+    pause = float(os.environ.get("RAYLIFT_FAULT_UPLOAD_PAUSE_S", "0") or 0)
+
+    def once() -> None:
+        loc.fs.create_dir(loc.path, recursive=True)
+        made: set[str] = set()
+        paused = False
+        for f in ordered:
+            if pause and not paused and f.relative_to(src).parts[0] == "done":
+                log.warning("RAYLIFT_FAULT_UPLOAD_PAUSE_S: pausing %.1f s before manifests", pause)
+                time.sleep(pause)
+                paused = True
+            rel = f.relative_to(src).as_posix()
+            parent = rel.rpartition("/")[0]
+            if parent and parent not in made:
+                loc.fs.create_dir(loc.join(parent).path, recursive=True)
+                made.add(parent)
+            pafs.copy_files(
+                str(f),
+                loc.join(rel).path,
+                source_filesystem=pafs.LocalFileSystem(),
+                destination_filesystem=loc.fs,
+            )
+
+    def note(state: Any) -> None:
+        exc = state.outcome.exception()
+        log.warning(
+            "checkpoint upload to %s failed (try %d): %s; retrying",
+            loc.uri,
+            state.attempt_number,
+            _short(exc),
+        )
+        if on_retry is not None:
+            on_retry(state.attempt_number, exc)
+
+    retrying = Retrying(
+        stop=stop_after_delay(retry_s),
+        wait=wait_exponential(multiplier=0.5, max=15),
+        retry=retry_if_exception(is_transient),
+        before_sleep=note,
+        reraise=False,
+    )
+    try:
+        for attempt in retrying:
+            with attempt:
+                once()
+        return retrying.statistics.get("attempt_number", 1)
+    except RetryError as exc:
+        last = exc.last_attempt.exception()
+        raise UploadError(
+            f"checkpoint upload to {loc.uri} still failing after {retry_s:.0f} s of retries: "
+            f"{_short(last)}"
+        ) from None
+    except OSError as exc:
+        raise UploadError(f"checkpoint upload to {loc.uri} failed: {_short(exc)}") from None
 
 
 def localize(uri: str, endpoint_override: str | None, region: str | None, cache_root: Path) -> Path:

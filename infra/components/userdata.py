@@ -24,6 +24,12 @@ CONTAINER_UID = 1000
 # Each boot step: 30 tries, 10 s apart (5 minutes), then the node gives up and is replaced.
 BOOT_ATTEMPTS = 30
 RETRY_DELAY_S = 10
+# The node agent (trainer/agent.py, started by the image's entrypoint on worker nodes) polls
+# this every AGENT_INTERVAL_S and drains its Ray node AGENT_MARGIN_S before a spot notice's
+# time: of the two minutes' notice, ~105 s go to the emergency checkpoint.
+IMDS_ENDPOINT = "http://169.254.169.254"
+AGENT_INTERVAL_S = 5
+AGENT_MARGIN_S = 15
 
 
 def sq(value: str) -> str:
@@ -107,6 +113,9 @@ def render_user_data(node: NodeBootstrap) -> str:
         "LIFECYCLE_HOOK": q(node.lifecycle_hook or ""),
         "BOOT_ATTEMPTS": str(BOOT_ATTEMPTS),
         "RETRY_DELAY": str(RETRY_DELAY_S),
+        "IMDS_ENDPOINT": q(IMDS_ENDPOINT),
+        "AGENT_INTERVAL_S": str(AGENT_INTERVAL_S),
+        "AGENT_MARGIN_S": str(AGENT_MARGIN_S),
         "UNIT_MOUNT_PATH": node.mount_path,
         "CLUSTER_NAME": q(node.cluster_name),
         "REGION": q(node.region),

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from tools import submit
 from trainer import checkpoint as ckpt_mod
+from trainer import journal
 from trainer.config import load_config
 from trainer.metrics import lineage, read_records
 from trainer.preflight import run_all
@@ -47,29 +48,29 @@ def history(cfg) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
     return records, steps, wasted
 
 
-def test_ddp_run_lowers_loss_and_exports_loadable_hf_checkpoint(ray_cluster, job):
+def test_ddp_run_lowers_loss_and_exports_loadable_hf_checkpoint(ddp_reference):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cfg, summary, _ = run_to_end(ray_cluster, job("ddp", train={"max_steps": 24}))
+    cfg, summary = ddp_reference["cfg"], ddp_reference["summary"]
     _, steps, _ = history(cfg)
-    assert [r["step"] for r in steps] == list(range(1, 25))
+    assert [r["step"] for r in steps] == list(range(1, 13))
     first = sum(r["loss"] for r in steps[:3]) / 3
     last = sum(r["loss"] for r in steps[-3:]) / 3
     assert last < first - 1.0, (first, last)
     assert all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in steps)  # CPU: MFU n/a
-    assert [r["step"] for r in steps if "eval_loss" in r] == [6, 12, 18, 24]
+    assert [r["step"] for r in steps if "eval_loss" in r] == [6, 12]
 
-    run_dir = Path(cfg.storage.path) / cfg.run.name
-    assert sorted(p.name for p in run_dir.glob("step_*")) == ["step_00000020", "step_00000024"]
-    final = run_dir / "step_00000024"
+    run_dir = ddp_reference["run_dir"]
+    assert sorted(p.name for p in run_dir.glob("step_*")) == ["step_00000008", "step_00000012"]
+    final = run_dir / "step_00000012"
     assert summary["checkpoint"] == str(final)
     state = json.loads((final / "trainer_state.json").read_text())
-    assert state["step"] == 24 and state["world_size"] == 2
+    assert state["step"] == 12 and state["world_size"] == 2
     assert state["format"] == 2 and state["strategy"] == "ddp" and state["layout"] == "ddp/1"
     assert state["rank0_node_labels"].get("large_cpu_mem") == "true"
     # The export is separate from the resume state: only at the end (no export_every).
-    assert sorted(p.name for p in (run_dir / "export").iterdir()) == ["step_00000024"]
-    export = run_dir / "export" / "step_00000024" / "model"
+    assert sorted(p.name for p in (run_dir / "export").iterdir()) == ["step_00000012"]
+    export = run_dir / "export" / "step_00000012" / "model"
     assert summary["export"] == str(export.parent)
 
     # Plain transformers, no trainer code: same logits as the model at the end of training.
@@ -82,12 +83,11 @@ def test_ddp_run_lowers_loss_and_exports_loadable_hf_checkpoint(ray_cluster, job
     torch.testing.assert_close(logits, torch.tensor(probe["logits"]), atol=1e-5, rtol=1e-5)
 
 
-def test_resume_is_exact(ray_cluster, job):
-    """A trains 12 steps straight; B stops after 6 and a fresh submission with the same
-    run name resumes it to 12. Same world size, so the gloo reductions run in the same
-    order: we allow 1e-6 absolute for floating-point reduction order, and in practice the
-    weights come out bit-identical."""
-    cfg_a, _, _ = run_to_end(ray_cluster, job("exact-a"))
+def test_resume_is_exact(ray_cluster, job, ddp_reference):
+    """The reference trains 12 steps straight; B stops after 6 and a fresh submission
+    with the same run name resumes it to 12. Same world size, so the gloo reductions run
+    in the same order: we allow 1e-6 absolute for floating-point reduction order, and in
+    practice the weights come out bit-identical."""
     job_b = job("exact-b")
     run_to_end(ray_cluster, job_b, ["train.stop_at_step=6"])
     cfg_b, _, _ = run_to_end(ray_cluster, job_b)
@@ -95,19 +95,28 @@ def test_resume_is_exact(ray_cluster, job):
     records, steps_b, wasted = history(cfg_b)
     resumes = [r for r in records if r.get("event") == "resume"]
     assert [r["from_step"] for r in resumes] == [6] and wasted == 0
-    _, steps_a, _ = history(cfg_a)
+    _, steps_a, _ = history(ddp_reference["cfg"])
     assert [r["step"] for r in steps_b] == list(range(1, 13))
     for ra, rb in zip(steps_a, steps_b, strict=True):
         assert rb["loss"] == pytest.approx(ra["loss"], abs=1e-6), ra["step"]
 
-    root = Path(cfg_a.storage.path)
-    wa = load_file(str(root / "exact-a/export/step_00000012/model/model.safetensors"))
-    wb = load_file(str(root / "exact-b/export/step_00000012/model/model.safetensors"))
+    # The journal counts a resubmission after a clean stop as costing nothing.
+    attempts = [r for r in journal.read(resolve(cfg_b.storage.path).join("exact-b"))]
+    assert [
+        (a["from_step"], a["lost_steps"], a["lost_s"]) for a in attempts if a["event"] == "attempt"
+    ] == [(0, 0, None), (6, 0, None)]
+    assert [a["event"] for a in attempts if a["event"] in ("stopped", "finished")] == [
+        "stopped",
+        "finished",
+    ]
+    ref, run_b = ddp_reference["run_dir"], Path(cfg_b.storage.path) / "exact-b"
+    wa = load_file(str(ref / "export/step_00000012/model/model.safetensors"))
+    wb = load_file(str(run_b / "export/step_00000012/model/model.safetensors"))
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=0, msg=k)
-    oa = torch.load(root / "exact-a/step_00000012/strategy/optimizer.pt")
-    ob = torch.load(root / "exact-b/step_00000012/strategy/optimizer.pt")
+    oa = torch.load(ref / "step_00000012/strategy/optimizer.pt")
+    ob = torch.load(run_b / "step_00000012/strategy/optimizer.pt")
     for i, sa in oa["state"].items():
         torch.testing.assert_close(
             sa["exp_avg_sq"], ob["state"][i]["exp_avg_sq"], atol=1e-9, rtol=0

@@ -102,20 +102,10 @@ def test_fsdp_gradients_equal_ddp_on_one_batch(tiny, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def ddp_reference(ray_cluster, tiny, tmp_path_factory):
-    """The loss curve of a straight 12-step DDP run: every full-weight strategy trained
-    from the same seed on the same data must reproduce it."""
-    import copy
-
-    import yaml
-
-    from tests.conftest import base_job
-
-    root = tmp_path_factory.mktemp("ref")
-    path = root / "ref.yaml"
-    path.write_text(yaml.safe_dump(copy.deepcopy(base_job(tiny, root / "runs", "ref-ddp"))))
-    cfg, _, _ = run_to_end(ray_cluster, path)
-    return _losses(history(cfg)[1])
+def ddp_losses(ddp_reference):
+    """The loss curve of the shared straight 12-step DDP run: every full-weight strategy
+    trained from the same seed on the same data must reproduce it."""
+    return _losses(history(ddp_reference["cfg"])[1])
 
 
 def _stop_resume_export(ray_cluster, path, reference, resume_overrides=()):
@@ -139,13 +129,13 @@ def _stop_resume_export(ray_cluster, path, reference, resume_overrides=()):
     return cfg, run_dir
 
 
-def test_fsdp_matches_ddp_resumes_on_one_worker_and_exports(ray_cluster, job, ddp_reference):
+def test_fsdp_matches_ddp_resumes_on_one_worker_and_exports(ray_cluster, job, ddp_losses):
     """FSDP from the same seed agrees with DDP step by step; it stops at 6 on two workers
     and resumes on one (same global batch: grad_accum 2; DCP reshards); its gathered
     export reproduces the trained model's logits with plain transformers."""
     path = job("fsdp", strategy={"name": "fsdp"})
     _, run_dir = _stop_resume_export(
-        ray_cluster, path, ddp_reference, ["scaling.num_workers=1", "train.grad_accum=2"]
+        ray_cluster, path, ddp_losses, ["scaling.num_workers=1", "train.grad_accum=2"]
     )
     state = json.loads((run_dir / "step_00000012" / "trainer_state.json").read_text())
     assert (state["strategy"], state["layout"], state["world_size"]) == ("fsdp", "dcp/1", 1)
@@ -162,12 +152,12 @@ def test_fsdp_matches_ddp_resumes_on_one_worker_and_exports(ray_cluster, job, dd
 
 
 @pytest.mark.parametrize("config", ["zero2", "zero3", "zero3_offload"])
-def test_deepspeed_stop_resume_export(ray_cluster, job, ddp_reference, config):
+def test_deepspeed_stop_resume_export(ray_cluster, job, ddp_losses, config):
     """ZeRO-2, ZeRO-3 and ZeRO-3 with CPU optimizer/parameter offload, from the shipped
     stock JSON files with "auto" values: same curve as DDP, exact resume from DeepSpeed's
     own checkpoint, and a gathered 16-bit export that reproduces the logits."""
     path = job(f"ds-{config}", strategy={"name": "deepspeed", "config": config})
-    _, run_dir = _stop_resume_export(ray_cluster, path, ddp_reference)
+    _, run_dir = _stop_resume_export(ray_cluster, path, ddp_losses)
     state = json.loads((run_dir / "step_00000012" / "trainer_state.json").read_text())
     assert (state["strategy"], state["layout"]) == ("deepspeed", "deepspeed/1")
     assert (run_dir / "step_00000012" / "strategy" / "ds" / "state").is_dir()

@@ -7,15 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from trainer.data import (
-    BatchPlan,
-    PackedBlocks,
-    ScanReport,
-    eval_indices,
-    iter_documents,
-    load_special_tokens,
-    prepare,
-)
+from trainer.data import BatchPlan, PackedBlocks, eval_indices, prepare
+from trainer.documents import ScanReport, iter_documents, load_special_tokens
 from trainer.errors import DataError
 from trainer.model import load_tokenizer
 

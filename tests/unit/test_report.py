@@ -56,3 +56,26 @@ def test_summary_figures_and_plot(tmp_path):
 
 def test_empty_run_says_so(tmp_path):
     assert report.summary_lines(report.load_run(str(tmp_path / "none"))) == ["no steps recorded"]
+
+
+def test_journal_lines_say_what_faults_cost(tmp_path):
+    from trainer import journal
+    from trainer.storage import resolve
+
+    run_dir = tmp_path / "runs" / "r2"
+    _write_history(run_dir / "metrics.jsonl")
+    j = journal.Journal(resolve(str(run_dir)), "attempt-1-rank0")
+    j.add("attempt", attempt=1, world_size=2, from_step=0, lost_steps=0, lost_s=None)
+    j.add("checkpoint", step=8, kind="periodic", save_s=0.25, upload_s=1.5)
+    journal.Journal(resolve(str(run_dir)), "controller-1").add(
+        "failure", cause="node_lost", ranks=[1], message="node died"
+    )
+    k = journal.Journal(resolve(str(run_dir)), "attempt-2-rank0")
+    k.add("attempt", attempt=2, world_size=2, from_step=8, lost_steps=2, lost_s=18.4)
+    k.add("preemption", step=15, deadline_s=100.0, save_s=2.0, margin_s=98.0)
+    lines = report.summary_lines(report.load_run(str(run_dir)))
+    assert lines[4:] == [
+        "attempts: 2 (failures: 1 node_lost); lost per restart: [2] steps, 18 s in all",
+        "checkpoints: 1 (mean save 0.25 s, mean upload 1.50 s, upload retries 0)",
+        "spot notice at step 15: saved in 2.0 s with 100 s left",
+    ]

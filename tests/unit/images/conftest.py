@@ -1,40 +1,27 @@
-"""Fixtures for the images/ and tools/image.py tests.
+"""Fixtures for the images/ and image tool tests.
 
-tools/ is not a package (each tool runs as `python tools/X.py`), so the module is loaded
-from its file once per session and registered in sys.modules (dataclasses need that).
+`tool` is the tools.imagetool package: its names are the tool's API (re-exported from its
+single-concern modules), so tests need not know which module holds what.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+import tools.imagetool
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
-TOOL_PATH = REPO_ROOT / "tools" / "image.py"
 
 # Notes from the lock checks (what PyPI could not answer), printed at the end of the run.
 LOCK_NOTES: list[str] = []
 
 
-def _load_tool() -> ModuleType:
-    name = "raylift_tools_image"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, TOOL_PATH)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="session")
 def tool() -> ModuleType:
-    return _load_tool()
+    return tools.imagetool
 
 
 @pytest.fixture(scope="session")

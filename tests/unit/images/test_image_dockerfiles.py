@@ -162,6 +162,65 @@ def test_entrypoint_dispatch(stub_path, argv: list[str], expected: str) -> None:
     assert result.stdout.strip() == expected
 
 
+NODE_AGENT = (
+    "python -m trainer agent --imds-endpoint http://169.254.169.254 --interval 5 --margin 15"
+)
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "agent"),
+    [
+        # A worker node (infra's node.env says RAYLIFT_ROLE=worker): the agent beside Ray.
+        ({"RAYLIFT_ROLE": "worker"}, ["ray", "start", "--address=h:6379", "--block"], True),
+        ({"RAYLIFT_ROLE": "head"}, ["ray", "start", "--head", "--block"], False),
+        ({"RAYLIFT_ROLE": "worker", "RAYLIFT_AGENT": "0"}, ["ray", "start", "--block"], False),
+        ({"RAYLIFT_AGENT": "1"}, ["ray", "start", "--block"], True),
+        ({"RAYLIFT_ROLE": "worker"}, ["ray", "status"], False),
+        ({"RAYLIFT_ROLE": "worker"}, ["run", "job.yaml"], False),
+    ],
+)
+def test_entrypoint_starts_the_node_agent_on_worker_nodes(
+    stub_path, env: dict[str, str], argv: list[str], agent: bool
+) -> None:
+    _, base_env = stub_path
+    script = REPO_ROOT / "images/base/entrypoint.sh"
+    result = subprocess.run(
+        ["bash", str(script), *argv], env={**base_env, **env}, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert (NODE_AGENT in lines) is agent, lines
+    assert sum(line.startswith("python -m trainer agent") for line in lines) == int(agent)
+
+
+def test_node_agent_takes_endpoint_margin_and_instance_id_from_node_env(stub_path) -> None:
+    tmp_path, env = stub_path
+    (tmp_path / "bin" / "ray").write_text(
+        '#!/usr/bin/env bash\necho "ray $* instance=${RAY_CLOUD_INSTANCE_ID:-}"\n'
+    )
+    node_env = {
+        "RAYLIFT_ROLE": "worker",
+        "RAYLIFT_INSTANCE_ID": "i-0abc123",
+        "RAYLIFT_IMDS_ENDPOINT": "http://127.0.0.1:9",
+        "RAYLIFT_AGENT_MARGIN_S": "20",
+        "RAYLIFT_AGENT_INTERVAL_S": "2",
+    }
+    script = REPO_ROOT / "images/base/entrypoint.sh"
+    result = subprocess.run(
+        ["bash", str(script), "ray", "start", "--block"],
+        env={**env, **node_env},
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "ray start --block instance=i-0abc123" in lines
+    assert (
+        "python -m trainer agent --imds-endpoint http://127.0.0.1:9 --interval 2 --margin 20"
+        in lines
+    )
+
+
 def test_healthcheck_probes_ray_only_on_a_ray_node(stub_path) -> None:
     tmp_path, env = stub_path
     env["RAY_TMPDIR"] = str(tmp_path)

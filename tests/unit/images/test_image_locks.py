@@ -1,15 +1,14 @@
 """Image lock files: consistent with pyproject.toml, and resolvable for the images' platform.
 
-The resolution tests (marker `network`) ask PyPI, through pip's own resolver, whether each
+The resolution tests (marker `network`) ask PyPI, through `uv pip compile`, whether each
 image's chain of locks installs on CPython 3.11 / x86_64 / glibc 2.39, reading metadata
-only (PEP 658 files, or HTTP range requests with fast-deps where the index lacks them), so
-no multi-GB CUDA wheel is downloaded. What PyPI cannot answer (Intel's index, +cpu local
-versions, an sdist whose requirements come from setup.py) is printed at the end of the run.
+only (PEP 658 files, or HTTP range requests where the index lacks them), so no multi-GB
+CUDA wheel is downloaded. What PyPI cannot answer (Intel's index, +cpu local versions, an
+sdist whose requirements come from setup.py) is printed at the end of the run.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -102,11 +101,16 @@ def test_read_pins_refuses_ranges(tool, tmp_path: Path) -> None:
         tool.read_pins(lock)
 
 
-# ---- the check's own logic, with a stand-in for pip (no network)
+# ---- the check's own logic, with a stand-in for uv (no network)
 
 
-class FakePip:
-    """Writes a pip report installing `install` (name -> version) or fails like pip."""
+def _arg(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+class FakeUv:
+    """Answers `uv pip compile` with `install` (name -> version), as uv writes it, or fails
+    like uv."""
 
     def __init__(self, install: dict[str, str], fail: str | None = None) -> None:
         self.install, self.fail, self.calls = install, fail, []
@@ -117,36 +121,52 @@ class FakePip:
         self.requirements = Path(cmd[-1]).read_text().split()
         if self.fail:
             return subprocess.CompletedProcess(cmd, 1, "", self.fail)
-        report = Path(cmd[cmd.index("--report") + 1])
-        items = [{"metadata": {"name": n, "version": v}} for n, v in self.install.items()]
-        report.write_text(json.dumps({"install": items}))
+        lines = [f"{n}=={v}" for n, v in sorted(self.install.items())]
+        Path(_arg(cmd, "--output-file")).write_text("\n".join(lines) + "\n")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
 
-def test_resolve_targets_the_image_not_this_machine(tool) -> None:
-    fake = FakePip({"foo": "1.0"})
+def test_resolve_targets_the_image_not_this_machine(tool, monkeypatch) -> None:
+    for var in ("UV_INDEX_URL", "UV_FIND_LINKS", "UV_CONSTRAINT", "UV_EXTRA_INDEX_URL"):
+        monkeypatch.setenv(var, "file:///somewhere/local")
+    fake = FakeUv({"foo": "1.0"})
     tool.resolve(["foo==1.0"], python="3.11", glibc="2.39", runner=fake)
     cmd, env = fake.calls[0]
-    assert "--dry-run" in cmd and "--only-binary=:all:" in cmd
-    assert "--use-feature=fast-deps" in cmd
-    platforms = [cmd[i + 1] for i, c in enumerate(cmd) if c == "--platform"]
-    assert "manylinux_2_39_x86_64" in platforms and "manylinux_2_40_x86_64" not in platforms
-    assert "manylinux2014_x86_64" in platforms
-    assert cmd[cmd.index("--python-version") + 1] == "3.11"
-    assert env["PIP_CONFIG_FILE"] == "/dev/null"
-    assert not {"PIP_FIND_LINKS", "PIP_CONSTRAINT", "PIP_EXTRA_INDEX_URL"} & set(env)
+    assert cmd[1:3] == ["pip", "compile"]
+    assert _arg(cmd, "--python-platform") == "x86_64-manylinux_2_39"
+    assert _arg(cmd, "--python-version") == "3.11"
+    assert _arg(cmd, "--only-binary") == ":all:"
+    assert "--no-config" in cmd
+    # The index (a mirror) stays; this machine's find-links, constraints and extra indexes go.
+    assert env["UV_INDEX_URL"] == "file:///somewhere/local"
+    assert not {"UV_FIND_LINKS", "UV_CONSTRAINT", "UV_EXTRA_INDEX_URL"} & set(env)
+
+
+def test_resolve_refuses_a_glibc_uv_cannot_target(tool) -> None:
+    with pytest.raises(tool.UserError, match=r"glibc 2\.12: uv resolves for manylinux 2\.17"):
+        tool.resolve(["foo==1.0"], python="3.11", glibc="2.12", runner=FakeUv({}))
+
+
+def test_resolve_keeps_the_extras_a_requirement_asked_for(tool) -> None:
+    # uv writes `ray==2.60.0`; the lock must still say which extras the image installs.
+    fake = FakeUv({"ray": "2.60.0", "aiohttp": "3.14.5"})
+    resolution = tool.resolve(
+        ["ray[train,default]==2.60.0"], python="3.11", glibc="2.39", runner=fake
+    )
+    assert str(resolution.pins["ray"]) == "ray[default,train]==2.60.0"
+    assert str(resolution.pins["aiohttp"]) == "aiohttp==3.14.5"
 
 
 def test_check_reports_packages_missing_from_the_lock(tool, graph) -> None:
     pins = {p.key: p.version for p in tool.read_pins(REPO_ROOT / graph.images["base-gpu"].lock)}
-    fake = FakePip({**pins, "surprise": "9.9"})
+    fake = FakeUv({**pins, "surprise": "9.9"})
     report = tool.check_locks(graph, "base-gpu", REPO_ROOT, runner=fake)
     assert [str(p) for p in report.unpinned] == ["surprise==9.9"]
 
 
 def test_check_ignores_what_the_graph_says_to(tool, graph) -> None:
     pins = {p.key: p.version for p in tool.read_pins(REPO_ROOT / graph.images["base-cpu"].lock)}
-    fake = FakePip({**pins, "torch": "2.8.0", "nvidia-cublas-cu12": "12.8.4.1", "triton": "3.4.0"})
+    fake = FakeUv({**pins, "torch": "2.8.0", "nvidia-cublas-cu12": "12.8.4.1", "triton": "3.4.0"})
     report = tool.check_locks(graph, "base-cpu", REPO_ROOT, runner=fake)
     assert report.unpinned == []
     assert "torch==2.8.0" in fake.requirements and "torch==2.8.0+cpu" not in fake.requirements
@@ -154,35 +174,35 @@ def test_check_ignores_what_the_graph_says_to(tool, graph) -> None:
 
 
 def test_resolution_failure_is_one_line(tool) -> None:
-    fake = FakePip(
+    fake = FakeUv(
         {},
-        fail="WARNING: x\nERROR: Cannot install boto3 and python-dateutil==4.0.0\n"
-        "ERROR: ResolutionImpossible: for help visit https://pip.pypa.io/\n",
+        fail="error: No solution found when resolving dependencies\n"
+        "  cause: Because boto3==1.40.0 depends on botocore>=1.40.0,<1.41.0 and you require\n"
+        "         botocore==1.30.0, we can conclude that your requirements are unsatisfiable.\n",
     )
     with pytest.raises(tool.UserError) as err:
-        tool.resolve(["boto3==1"], python="3.11", glibc="2.39", runner=fake)
-    assert "python-dateutil==4.0.0" in str(err.value)
+        tool.resolve(["boto3==1.40.0"], python="3.11", glibc="2.39", runner=fake)
+    assert "uv cannot resolve these pins for cp311/glibc 2.39: No solution found" in str(err.value)
+    assert "botocore==1.30.0" in str(err.value)
     assert "\n" not in str(err.value)
 
 
 # ---- the real thing: ask PyPI
 
 
-@pytest.mark.network
-def test_pip_reads_metadata_without_downloading_wheels() -> None:
-    # pip 23.2 downloads every wheel in --dry-run when the index serves no PEP 658 metadata
-    # (measured here: all 124 wheels of the GPU chain, torch 527 MB and cuDNN 366 MB among
-    # them); pip 26.3 with fast-deps reads byte ranges and downloads none.
-    import pip
-
-    major = int(pip.__version__.split(".")[0])
-    assert major >= 26, f"pip {pip.__version__}: the lock check needs pip>=26 (dev extra)"
+@pytest.fixture(scope="session")
+def uv_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache of the session's own, so what the resolution fetched can be measured."""
+    return tmp_path_factory.mktemp("uv-cache")
 
 
 @pytest.fixture(scope="session")
-def lock_reports(tool, graph, lock_notes):
-    """Check every image once, three at a time (pip waits on the network most of the time)."""
-    names = list(graph.images)
+def lock_reports(tool, graph, lock_notes, uv_cache):
+    """Check every image once, three at a time (uv waits on the network most of the time),
+    the longest chains first: they hold the sdist fetch, which the others can overlap."""
+    names = sorted(graph.images, key=lambda n: -len(tool.chain(graph, n)))
+    patch = pytest.MonkeyPatch()
+    patch.setenv("UV_CACHE_DIR", str(uv_cache))
 
     def check(name: str):
         try:
@@ -190,8 +210,11 @@ def lock_reports(tool, graph, lock_notes):
         except tool.UserError as exc:
             return exc
 
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        reports = dict(zip(names, pool.map(check, names), strict=True))
+    try:
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            reports = dict(zip(names, pool.map(check, names), strict=True))
+    finally:
+        patch.undo()
     for name, report in reports.items():
         if not isinstance(report, Exception):
             lock_notes.extend(f"{name}: {note}" for note in report.notes)
@@ -210,35 +233,41 @@ def test_lock_resolves_for_the_image(lock_reports, name: str) -> None:
     sys.stderr.write(f"{name}: {len(report.resolution.pins)} pins resolve\n")
 
 
+@pytest.mark.network
+def test_resolution_reads_metadata_not_wheels(lock_reports, uv_cache: Path) -> None:
+    # The GPU chain alone is 124 wheels (torch 527 MB, cuDNN 366 MB): resolving must read only
+    # their metadata. uv unpacks every wheel it downloads into the cache's archive folder and
+    # keeps metadata it read under wheels-v*, so the cache tells which it did.
+    assert not any(isinstance(r, Exception) for r in lock_reports.values())
+    unpacked = [p.name for p in uv_cache.glob("archive-v*/*")]
+    assert unpacked == [], f"uv downloaded and unpacked wheels: {unpacked[:5]}"
+    metadata = [p for p in uv_cache.glob("wheels-v*/**/*") if p.is_file()]
+    assert metadata, "uv read no wheel metadata: is UV_CACHE_DIR honoured?"
+    assert sum(p.stat().st_size for p in metadata) < 20 * 2**20
+
+
 # ---- regenerating locks (`tools/image.py lock`), with a stand-in resolver
 
 
-class EchoPip:
-    """Resolves every requirement to its pin (or the constraint's, or 1.0) plus `common`."""
+class EchoUv:
+    """Resolves every requirement to its pin (or the constraint's, or 1.0) plus `common`, and
+    writes them as uv does: name==version, extras dropped."""
 
     def __call__(self, cmd, env):
         def lines(path: str) -> list[str]:
             return [ln for ln in Path(path).read_text().split("\n") if ln.strip()]
 
         constraints = {}
-        if "-c" in cmd:
-            for line in lines(cmd[cmd.index("-c") + 1]):
+        if "--constraint" in cmd:
+            for line in lines(_arg(cmd, "--constraint")):
                 name, _, version = line.partition("==")
                 constraints[name.lower()] = version
-        items = [{"metadata": {"name": "common", "version": "2.0"}}]
+        out = ["common==2.0"]
         for line in lines(cmd[-1]):
-            match = re.match(r"^([A-Za-z0-9._-]+)(?:\[([^\]]+)\])?(?:==(\S+))?", line)
-            name, extras, version = match[1], match[2], match[3]
-            item = {
-                "metadata": {
-                    "name": name,
-                    "version": version or constraints.get(name.lower(), "1.0"),
-                }
-            }
-            if extras:
-                item["requested_extras"] = extras.split(",")
-            items.append(item)
-        Path(cmd[cmd.index("--report") + 1]).write_text(json.dumps({"install": items}))
+            match = re.match(r"^([A-Za-z0-9._-]+)(?:\[[^\]]+\])?(?:==(\S+))?", line)
+            name, version = match[1], match[2]
+            out.append(f"{name}=={version or constraints.get(name.lower(), '1.0')}")
+        Path(_arg(cmd, "--output-file")).write_text("\n".join(out) + "\n")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
 
@@ -247,10 +276,12 @@ def test_write_locks_layers_pins_by_image(tool, tmp_path: Path, monkeypatch) -> 
 
     shutil.copytree(REPO_ROOT / "images", tmp_path / "images")
     graph = tool.load_graph(tmp_path / "images" / "graph.yaml", tmp_path)
+    from tools.imagetool import locks
+
     monkeypatch.setattr(
-        tool, "sdist_requires", lambda name, version, check: ("einops", *check.plus)
+        locks, "sdist_requires", lambda name, version, check: ("einops", *check.plus)
     )
-    written = tool.write_locks(graph, tmp_path, list(graph.images), runner=EchoPip())
+    written = tool.write_locks(graph, tmp_path, list(graph.images), runner=EchoUv())
     assert {p.relative_to(tmp_path).as_posix() for p in written} == {
         "images/base/requirements-gpu.lock",
         "images/base/requirements-cpu.lock",

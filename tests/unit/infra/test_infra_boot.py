@@ -8,6 +8,7 @@ keeping a node that EC2 calls healthy while no Ray runs on it.
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -81,10 +82,55 @@ def test_node_env_is_the_agent_contract(tmp_path: Path) -> None:
         "RAYLIFT_ASG_NAME": "demo-gpu-spot-20251122",
         "RAYLIFT_LIFECYCLE_HOOK": "raylift-drain",
         "RAYLIFT_SHARED_DIR": "/mnt/shared",
+        "RAYLIFT_IMDS_ENDPOINT": "http://169.254.169.254",
+        "RAYLIFT_AGENT_INTERVAL_S": "5",
+        "RAYLIFT_AGENT_MARGIN_S": "15",
     }
     for folder in ("ray", "cache"):
         path = f"{run.root}/var/lib/raylift/{folder}"
         assert ["chown", f"{CONTAINER_UID}:{CONTAINER_UID}", path] in run.calls
+
+
+@pytest.mark.parametrize(("role", "agent"), [("worker", True), ("head", False)])
+def test_the_image_starts_the_node_agent_from_node_env(tmp_path: Path, role: str, agent: bool):
+    """The contract end to end: the node.env a booted node wrote, given to the image's real
+    entrypoint as the container's environment (`--env-file`), starts the agent on a worker
+    with the metadata endpoint and margin infra chose, and Ray with the instance id."""
+    run = boot(role, tmp_path)
+    node_env = dict(
+        line.split("=", 1)
+        for line in (run.root / "etc" / "raylift" / "node.env").read_text().splitlines()
+    )
+    raylift_ray = (run.root / "usr" / "local" / "bin" / "raylift-ray").read_text()
+    assert '--env-file "$R/etc/raylift/node.env"' in raylift_ray
+    assert "ray start --block" in raylift_ray
+    stubs = tmp_path / "image-bin"
+    stubs.mkdir()
+    for name in ("python", "ray"):
+        (stubs / name).write_text(
+            f'#!/usr/bin/env bash\necho "{name} $* instance=${{RAY_CLOUD_INSTANCE_ID:-}}"\n'
+        )
+        (stubs / name).chmod(0o755)
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", **node_env}
+    entrypoint = Path(__file__).resolve().parents[3] / "images" / "base" / "entrypoint.sh"
+    result = subprocess.run(
+        ["bash", str(entrypoint), "ray", "start", "--block"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    started = [line for line in lines if line.startswith("python -m trainer agent")]
+    if agent:
+        assert started == [
+            "python -m trainer agent --imds-endpoint http://169.254.169.254 --interval 5 "
+            "--margin 15 instance=i-0abc123"
+        ]
+        assert "ray start --block instance=i-0abc123" in lines
+    else:
+        assert started == []
 
 
 def test_head_boots_and_publishes_its_name(tmp_path: Path) -> None:

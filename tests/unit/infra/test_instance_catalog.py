@@ -64,3 +64,58 @@ def test_import_pulls_in_no_torch_or_ray() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+# ---- infra/'s own loader of the same file (infra imports nothing from trainer/)
+
+
+def test_infra_reads_the_same_facts_as_the_planner() -> None:
+    from infra.catalog import CATALOG_FILE
+    from infra.catalog import load_catalog as infra_catalog
+
+    ours = infra_catalog()
+    assert ours.path == CATALOG_FILE
+    assert ours.display_path == "trainer/catalog/instances.yaml"
+    planner = load_instances()
+    assert set(ours.instances) == set(planner)
+    for name, spec in ours.instances.items():
+        theirs = planner[name]
+        assert (spec.vcpus, spec.ram_gib, spec.gpu_count) == (
+            theirs.vcpus,
+            theirs.ram_gib,
+            theirs.gpu_count,
+        ), name
+        for market in ("on-demand", "spot"):
+            assert spec.usd_per_hour(market) == theirs.usd_per_hour(market), name
+    assert (ours.region, ours.as_of) == (load_catalog().region, load_catalog().as_of)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (None, r"broken\.yaml: instance catalog not found .*RAYLIFT_INSTANCE_CATALOG"),
+        ("region: x\ninstances: {a: [1,\n", r"broken\.yaml:3: catalog is not valid YAML"),
+        ("- just a list\n", r"broken\.yaml: instance catalog must be a mapping"),
+        (
+            "region: r\nas_of: '1'\ninstances:\n  g5.xlarge: {vcpus: 0, ram_gib: 16,"
+            " on_demand_usd_per_hour: 1, spot_usd_per_hour: 0.5}\n",
+            r"broken\.yaml: instances\.g5\.xlarge\.vcpus: Input should be greater than 0",
+        ),
+    ],
+    ids=["missing", "bad-yaml", "not-a-mapping", "bad-entry"],
+)
+def test_a_broken_catalog_stops_preview_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: str | None, expected: str
+) -> None:
+    from infra.catalog import CATALOG_ENV, CatalogError
+    from infra.settings import parse_settings
+
+    path = tmp_path / "broken.yaml"
+    if text is not None:
+        path.write_text(text)
+    monkeypatch.setenv(CATALOG_ENV, str(path))
+    # parse_settings is what `pulumi preview` runs first (program.read_settings turns the
+    # error into a RunError, which the CLI prints without a traceback).
+    with pytest.raises(CatalogError, match=expected) as err:
+        parse_settings({"image": {"tag": "trainer-gpu-1.2.3-abcdef0"}})
+    assert "\n" not in str(err.value)

@@ -1,0 +1,229 @@
+"""The pieces of fault tolerance that need no cluster: the retrying checkpoint upload, the
+run journal, failure causes, and the elastic-scaling config."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+
+from trainer import journal
+from trainer.checkpoint import completeness, write_manifest
+from trainer.config import JobConfig
+from trainer.storage import Location, UploadError, is_transient, resolve, upload_checkpoint
+
+
+class FlakyHandler(pafs.FileSystemHandler):
+    """A local filesystem whose writes fail with `error` while `failures` lasts, and that
+    records the order in which files were written."""
+
+    def __init__(self, failures: int, error: str):
+        self.fs = pafs.LocalFileSystem()
+        self.failures = failures
+        self.error = error
+        self.written: list[str] = []
+
+    def open_output_stream(self, path, metadata):
+        if self.failures > 0:
+            self.failures -= 1
+            raise OSError(self.error)
+        self.written.append(path)
+        return self.fs.open_output_stream(path)
+
+    # Everything else is the local filesystem's.
+    def get_type_name(self):
+        return "flaky"
+
+    def normalize_path(self, path):
+        return path
+
+    def get_file_info(self, paths):
+        return self.fs.get_file_info(paths)
+
+    def get_file_info_selector(self, selector):
+        return self.fs.get_file_info(selector)
+
+    def create_dir(self, path, recursive):
+        self.fs.create_dir(path, recursive=recursive)
+
+    def delete_dir(self, path):
+        self.fs.delete_dir(path)
+
+    def delete_dir_contents(self, path, missing_dir_ok=False):
+        self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
+
+    def delete_root_dir_contents(self):
+        raise NotImplementedError
+
+    def delete_file(self, path):
+        self.fs.delete_file(path)
+
+    def move(self, src, dest):
+        self.fs.move(src, dest)
+
+    def copy_file(self, src, dest):
+        self.fs.copy_file(src, dest)
+
+    def open_input_stream(self, path):
+        return self.fs.open_input_stream(path)
+
+    def open_input_file(self, path):
+        return self.fs.open_input_file(path)
+
+    def open_append_stream(self, path, metadata):
+        return self.fs.open_append_stream(path)
+
+
+def _checkpoint(root: Path) -> Path:
+    out = root / "src"
+    (out / "strategy").mkdir(parents=True)
+    (out / "strategy" / "model.pt").write_bytes(b"m" * 5000)
+    (out / "scheduler.pt").write_bytes(b"s" * 10)
+    (out / "trainer_state.json").write_text(json.dumps({"world_size": 1, "step": 4}))
+    write_manifest(out, 0, before=set())
+    return out
+
+
+def test_upload_writes_manifests_last_and_retries_transient_errors(tmp_path):
+    src = _checkpoint(tmp_path)
+    handler = FlakyHandler(failures=2, error="AWS Error SLOW_DOWN (HTTP 503): Please reduce")
+    fs = pafs.PyFileSystem(handler)
+    dest = tmp_path / "dest" / "step_00000004"
+    retries: list[int] = []
+    attempts = upload_checkpoint(
+        src, Location(fs, str(dest), str(dest)), 30, lambda n, e: retries.append(n)
+    )
+    assert attempts == 3 and retries == [1, 2]
+    names = [Path(p).relative_to(dest).as_posix() for p in handler.written]
+    assert names[-1] == "done/rank_0.json" and len(names) == 4
+    state, why = completeness(resolve(str(dest)))
+    assert state is not None, why
+
+
+def test_upload_permanent_error_fails_at_once_in_one_line(tmp_path):
+    src = _checkpoint(tmp_path)
+    handler = FlakyHandler(failures=100, error="AWS Error ACCESS_DENIED: AccessDenied")
+    dest = tmp_path / "dest" / "step_00000004"
+    t0 = time.monotonic()
+    with pytest.raises(UploadError, match=r"failed: AWS Error ACCESS_DENIED") as err:
+        upload_checkpoint(src, Location(pafs.PyFileSystem(handler), str(dest), str(dest)), 30)
+    assert time.monotonic() - t0 < 5 and "\n" not in str(err.value)
+    assert handler.failures == 99  # tried once
+
+
+def test_upload_gives_up_after_the_retry_budget(tmp_path):
+    src = _checkpoint(tmp_path)
+    handler = FlakyHandler(failures=10_000, error="Connection refused")
+    dest = tmp_path / "dest" / "step_00000004"
+    with pytest.raises(UploadError, match=r"still failing after 2 s of retries"):
+        upload_checkpoint(src, Location(pafs.PyFileSystem(handler), str(dest), str(dest)), 2)
+    assert completeness(resolve(str(dest)))[0] is None  # nothing recorded as complete
+
+
+def test_transient_vs_permanent():
+    assert is_transient(OSError("When uploading part: AWS Error NETWORK_CONNECTION"))
+    assert is_transient(OSError("HTTP 503 SlowDown"))
+    assert not is_transient(OSError("AccessDenied"))
+    assert not is_transient(OSError("[Errno 28] No space left on device"))
+    assert not is_transient(ValueError("bad"))
+
+
+def test_journal_merges_writers_and_summarizes(tmp_path):
+    run = resolve(str(tmp_path / "run"))
+    a = journal.Journal(run, "attempt-1-rank0")
+    c = journal.Journal(run, "controller-1")
+    a.add("attempt", attempt=1, world_size=2, from_step=0, lost_steps=0, lost_s=None)
+    a.add("checkpoint", step=25, kind="periodic", save_s=0.5, upload_s=2.0)
+    c.add("failure", cause="worker_died", ranks=[1], message="killed")
+    b = journal.Journal(run, "attempt-2-rank0")
+    b.add("attempt", attempt=2, world_size=1, from_step=25, lost_steps=7, lost_s=21.5)
+    b.add("upload_retry", step=50, attempt=1, error="503")
+    b.add("checkpoint", step=50, kind="emergency", save_s=1.5, upload_s=4.0)
+    b.add("preemption", step=50, deadline_s=100.0, save_s=5.5, margin_s=94.5)
+    b.add("finished", step=60)
+    (run.path and Path(run.path) / "journal" / "attempt-2-rank0.jsonl").open("a").write("{torn")
+    records = journal.read(run)
+    assert [r["event"] for r in records][:3] == ["attempt", "checkpoint", "failure"]
+    s = journal.summarize(records)
+    assert s["attempts"] == 2 and s["restarts"] == 1
+    assert s["failures"] == {"worker_died": 1} and s["lost_steps"] == [7]
+    assert s["lost_s"] == 21.5 and s["upload_retries"] == 1 and s["finished"]
+    assert s["mean_save_s"] == 1.0 and s["mean_upload_s"] == 3.0
+    assert s["preemptions"] == [{"step": 50, "deadline_s": 100.0, "save_s": 5.5, "margin_s": 94.5}]
+
+
+def test_failure_causes_from_ray_errors():
+    from ray.exceptions import RayActorError
+
+    from trainer.raycallbacks import failure_cause
+
+    class Preempted(RayActorError):
+        @property
+        def preempted(self) -> bool:
+            return True
+
+    assert failure_cause(Preempted()) == "preempted"
+    died = RayActorError(error_msg="The actor is dead because its node has died. Node Id: ab")
+    assert failure_cause(died) == "node_lost"
+    proc = RayActorError(error_msg="The actor is dead because its worker process has died.")
+    assert failure_cause(proc) == "worker_died"
+    assert failure_cause(ValueError("loss is nan")) == "error"
+
+
+BASE = {
+    "model": {"path": "m"},
+    "data": {"train_file": "x.jsonl"},
+    "run": {"name": "r"},
+    "train": {"max_steps": 5, "micro_batch_size": 4},
+}
+
+
+def test_elastic_keeps_the_global_batch_and_refuses_sizes_that_cannot():
+    base = {**BASE, "train": {**BASE["train"], "grad_accum": 2}}
+    cfg = JobConfig.model_validate({**base, "scaling": {"num_workers": [1, 2]}})
+    assert cfg.scaling.elastic and cfg.global_batch == 16
+    assert [cfg.grad_accum_for(w) for w in (1, 2)] == [4, 2]
+    with pytest.raises(ValueError, match=r"cannot be kept on 3 worker\(s\)"):
+        JobConfig.model_validate({**BASE, "scaling": {"num_workers": [2, 4]}})
+    with pytest.raises(ValueError, match=r"needs strategy ddp or fsdp"):
+        JobConfig.model_validate(
+            {**BASE, "scaling": {"num_workers": [1, 2]}, "strategy": {"name": "deepspeed"}}
+        )
+    with pytest.raises(ValueError, match=r"1 <= min <= max"):
+        JobConfig.model_validate({**BASE, "scaling": {"num_workers": [3, 2]}})
+    assert (
+        JobConfig.model_validate({**BASE, "scaling": {"num_workers": [2, 2]}}).scaling.num_workers
+        == 2
+    )
+
+
+def test_retrying_filesystem_survives_a_blip_in_ray_style_writes_and_reads(tmp_path):
+    """What Ray Train's controller does with its storage (write a small state file, list,
+    read it back) goes through the wrapper; a blip during the write is retried whole."""
+    import pickle
+
+    from trainer.storage import retrying
+
+    handler = FlakyHandler(failures=2, error="Could not connect to server")
+    fs = retrying(pafs.PyFileSystem(handler), retry_s=30)
+    path = str(tmp_path / "run" / "checkpoint_manager_snapshot.json")
+    fs.create_dir(str(tmp_path / "run"))
+    with fs.open_output_stream(path) as f:
+        f.write(b'{"checkpoints": [1, 2]}')
+    assert handler.failures == 0 and handler.written == [path]
+    with fs.open_input_stream(path) as f:
+        assert json.loads(f.read()) == {"checkpoints": [1, 2]}
+    infos = fs.get_file_info(pafs.FileSelector(str(tmp_path / "run")))
+    assert [i.base_name for i in infos] == ["checkpoint_manager_snapshot.json"]
+    # Ray ships the filesystem to its controller and workers, and compares what comes
+    # back with its own: it must pickle, and compare by value.
+    plain = retrying(pafs.LocalFileSystem(), retry_s=30)
+    assert pickle.loads(pickle.dumps(plain)).equals(plain)
+    assert not plain.equals(retrying(pafs.LocalFileSystem(), retry_s=5))
+    permanent = FlakyHandler(failures=1, error="AccessDenied")
+    fs2 = retrying(pafs.PyFileSystem(permanent), retry_s=30)
+    with pytest.raises(OSError, match="AccessDenied"), fs2.open_output_stream(path) as f:
+        f.write(b"x")

@@ -1,0 +1,178 @@
+"""The command line: `python tools/image.py build|plan|push|lock`, verbs over the modules."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tools.imagetool.build import docker_client, ensure_buildx, run_build
+from tools.imagetool.console import setup_logging
+from tools.imagetool.errors import EngineUnavailable, UserError
+from tools.imagetool.graph import DEFAULT_GRAPH, REPO_ROOT, Graph, build_order, load_graph
+from tools.imagetool.locks import check_locks, write_locks
+from tools.imagetool.plan import GitInfo, Plan, format_plan, git_info, make_plan, project_version
+from tools.imagetool.push import (
+    PULUMI_REPOSITORIES_OUTPUT,
+    REGISTRY_ENV,
+    TAG_FILE,
+    resolve_registry,
+    run_push,
+    write_tag_file,
+)
+
+log = logging.getLogger("raylift.image")
+DESCRIPTION = "Build, push and lock Raylift's training images, as described by images/graph.yaml."
+
+
+def _add_selection(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--only", metavar="LAYER", help="one layer (base, bnb, ccl, trainer) or image")
+    p.add_argument("--variant", choices=("gpu", "cpu"), help="only this variant's images")
+    p.add_argument("--version", help="image version (default: pyproject.toml's)")
+    p.add_argument("--git-sha", help="commit to tag with (default: HEAD of this checkout)")
+
+
+def _global_options(top_level: bool) -> argparse.ArgumentParser:
+    """--debug and --graph, accepted before or after the subcommand.
+
+    Each parser gets its own copy: argparse shares action objects between a parser and its
+    `parents`, so one set of defaults would let the subcommand's default overwrite a
+    `--debug` given before it. Below the top level the default is "not given" (SUPPRESS).
+    """
+    common = argparse.ArgumentParser(add_help=False)
+    debug_default = False if top_level else argparse.SUPPRESS
+    graph_default = DEFAULT_GRAPH if top_level else argparse.SUPPRESS
+    common.add_argument("--debug", action="store_true", default=debug_default,
+                        help="verbose logs and tracebacks")  # fmt: skip
+    common.add_argument("--graph", type=Path, default=graph_default, help="graph file")
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tools/image.py", description=DESCRIPTION, parents=[_global_options(True)]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    for command, help_text in (
+        ("build", "build the images in dependency order"),
+        ("plan", "print the build plan (order, tags, args); needs no engine"),
+    ):
+        p = sub.add_parser(command, parents=[_global_options(False)], help=help_text)
+        _add_selection(p)
+        p.add_argument("--registry", help="prefix tags with this registry host")
+        p.add_argument("--build-arg", action="append", default=[], metavar="[NAME:]K=V",
+                       help="override a build arg, for all images or one image/layer")  # fmt: skip
+        if command == "build":
+            p.add_argument("--dry-run", action="store_true", help="print the plan, build nothing")
+
+    p = sub.add_parser(
+        "push", parents=[_global_options(False)], help="push built images to the registry"
+    )
+    _add_selection(p)
+    p.add_argument("--registry", help=f"registry host (default: ${REGISTRY_ENV}, then Pulumi)")
+    p.add_argument("--region", help="AWS region of ECR (default: from the registry host)")
+    p.add_argument("--dry-run", action="store_true", help="print what would be pushed")
+    p.add_argument("--attempts", type=int, default=5, help="tries per tag on transient errors")
+    p.add_argument("--allow-dirty", action="store_true", help="push a -dirty build anyway")
+    p.add_argument("--tag-file", type=Path, default=TAG_FILE,
+                   help="write the pushed trainer-gpu tag here, for infra/")  # fmt: skip
+
+    p = sub.add_parser(
+        "lock", parents=[_global_options(False)], help="regenerate or check the lock files"
+    )
+    p.add_argument("--only", metavar="IMAGE", help="one image (and the lock it writes)")
+    p.add_argument("--check", action="store_true", help="check the locks resolve, write nothing")
+    return parser
+
+
+def _plan_from_args(args: argparse.Namespace, graph: Graph, registry: str | None) -> Plan:
+    git = GitInfo(sha=args.git_sha) if args.git_sha else git_info()
+    return make_plan(
+        graph,
+        version=args.version or project_version(),
+        git=git,
+        registry=registry,
+        only=args.only,
+        variant=args.variant,
+        build_args=getattr(args, "build_arg", []),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    graph = load_graph(args.graph, REPO_ROOT)
+    out = sys.stdout
+    if args.command == "plan" or (args.command == "build" and args.dry_run):
+        out.write(format_plan(_plan_from_args(args, graph, args.registry)) + "\n")
+        return 0
+    if args.command == "build":
+        plan = _plan_from_args(args, graph, args.registry)
+        if shutil.which("docker") is None:
+            raise EngineUnavailable("the `docker` CLI is not on PATH: install Docker to build")
+        client = docker_client()
+        ensure_buildx()
+        run_build(plan, REPO_ROOT, client)
+        return 0
+    if args.command == "push":
+        registry = resolve_registry(args.registry)
+        if not registry:
+            raise UserError(
+                f"no registry: pass --registry, set {REGISTRY_ENV}, or `pulumi up` in infra/ "
+                f"so the stack has its `{PULUMI_REPOSITORIES_OUTPUT}` output"
+            )
+        plan = _plan_from_args(args, graph, registry)
+        if args.dry_run:
+            out.write(format_plan(plan) + "\n")
+            return 0
+        if plan.git.dirty and not args.allow_dirty:
+            raise UserError(
+                "the work tree has uncommitted changes: commit first, so the pushed tag names "
+                "the commit the image was built from (or pass --allow-dirty)"
+            )
+        for ref, digest in run_push(plan, docker_client(), region=args.region,
+                                    attempts=args.attempts):  # fmt: skip
+            out.write(f"pushed {ref}@{digest}\n")
+        tag = write_tag_file(plan, args.tag_file)
+        if tag:
+            out.write(f"wrote {tag} to {args.tag_file} (the stack's raylift:image.tagFile)\n")
+        return 0
+    if args.command == "lock":
+        names = [args.only] if args.only else build_order(graph)
+        unknown = [n for n in names if n not in graph.images]
+        if unknown:
+            raise UserError(f"--only {unknown[0]}: no such image ({', '.join(graph.images)})")
+        if args.check:
+            failed = False
+            for name in names:
+                report = check_locks(graph, name, REPO_ROOT)
+                for note in report.notes:
+                    log.info("%s: %s", name, note)
+                if report.unpinned:
+                    failed = True
+                    log.error("%s: lock is missing %s", name, ", ".join(map(str, report.unpinned)))
+                else:
+                    log.info("%s: %d pins resolve (%.0fs)", name, len(report.resolution.pins),
+                             report.resolution.seconds)  # fmt: skip
+            return 1 if failed else 0
+        for path in write_locks(graph, REPO_ROOT, names):
+            out.write(f"wrote {path.relative_to(REPO_ROOT)}\n")
+        return 0
+    raise AssertionError(args.command)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.debug)
+    try:
+        return run(args)
+    except UserError as exc:
+        if args.debug:
+            raise
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
