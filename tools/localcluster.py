@@ -174,13 +174,17 @@ class LocalCluster:
         num_cpus: int = 1,
         labels: dict[str, str] | None = None,
         resources: dict[str, float] | None = None,
+        env: dict[str, str] | None = None,
     ) -> Any:
+        """`env`: variables only this node's raylet (and so its workers) sees, e.g. to give
+        one node a credential or a mount path the others do not have."""
         node = self._cluster.add_node(
             node_ip_address=HOST,
             num_cpus=num_cpus,
             labels=dict(labels or {}),
             resources=dict(resources or {}),
             object_store_memory=128 * 1024 * 1024,
+            env_vars=dict(env or {}),
         )
         self.worker_nodes.append((node, dict(labels or {})))
         return node
@@ -303,11 +307,19 @@ def main() -> None:
     p.add_argument("--num-cpus", type=int, default=2)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tools.jobcli.cluster import write_local_cluster_file
+
     with LocalCluster(num_cpus=args.num_cpus, head_labels={"large_cpu_mem": "true"}) as c:
-        print(f"RAY_ADDRESS={c.dashboard_url}", flush=True)
-        print(f"RAY_AUTH_TOKEN_PATH={c.token_path}", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            signal.pause()
+        # tools/submit.py finds this cluster here when no address is given.
+        record = write_local_cluster_file(c.dashboard_url, c.token_path)
+        try:
+            print(f"RAY_ADDRESS={c.dashboard_url}", flush=True)
+            print(f"RAY_AUTH_TOKEN_PATH={c.token_path}", flush=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                signal.pause()
+        finally:
+            record.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""`python -m trainer run|validate|plan job.yaml [--set section.field=value ...]`, and
-`python -m trainer agent` (the spot-notice node agent, trainer.agent).
+"""`python -m trainer run|validate|plan job.yaml [--set section.field=value ...]`,
+`python -m trainer doctor` (the cluster check, trainer.doctor), and `python -m trainer
+agent` (the spot-notice node agent, trainer.agent).
 
 The same command runs as a Ray job's entrypoint (it starts a TorchTrainer on the cluster)
 and under torchrun (it detects the torchrun environment and trains in-process), so Slurm
@@ -52,6 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     from trainer.plan import add_arguments
 
     add_arguments(s)
+    s = sub.add_parser("doctor", help="check every alive node of the cluster (a Ray job)")
+    s.add_argument("--shared", help="shared folder every node must mount and write")
+    s.add_argument("--bucket", help="s3://bucket/prefix every node must write, read, delete")
+    s.add_argument("--endpoint-override", help="S3-compatible endpoint for --bucket")
+    s.add_argument("--region", help="S3 region for --bucket")
+    s.add_argument("--debug", action="store_true", help="show tracebacks")
     from trainer import agent
 
     agent.add_arguments(sub.add_parser("agent", help="the spot-notice node agent (one per node)"))
@@ -66,6 +73,17 @@ def main(argv: list[str] | None = None) -> int:
 
         return agent_main(args)
     try:
+        if args.command == "doctor":
+            from trainer import doctor
+
+            return doctor.main(
+                {
+                    "shared": args.shared,
+                    "bucket": args.bucket,
+                    "endpoint": args.endpoint_override,
+                    "region": args.region,
+                }
+            )
         as_test = getattr(args, "as_test", False)
         overrides = list(args.overrides) + (["train.as_test=true"] if as_test else [])
         cfg = load_config(args.config, overrides)

@@ -1,0 +1,123 @@
+"""Runs and their submissions, as the Jobs API and the run's storage know them.
+
+A run is what `run.name` names; every `submit.py run` of it is one Ray job, with the id
+`raylift-<run>-<n>` (n counts that run's submissions on this cluster). At most one of them
+may be live: a second submit while one is PENDING or RUNNING would train two copies into
+the same checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("raylift.submit")
+LIVE = frozenset({"PENDING", "RUNNING"})
+RUN_KEY = "raylift_run"
+
+
+def state(info: Any) -> str:
+    status = info.status
+    return str(getattr(status, "value", status))
+
+
+def run_of(info: Any) -> str | None:
+    return (info.metadata or {}).get(RUN_KEY)
+
+
+def submissions(jobs: list[Any], run: str) -> list[Any]:
+    """The run's submissions, oldest first."""
+    mine = [j for j in jobs if run_of(j) == run and j.submission_id]
+    return sorted(mine, key=lambda j: (j.start_time or 0, j.submission_id))
+
+
+def by_run(jobs: list[Any]) -> dict[str, list[Any]]:
+    runs: dict[str, list[Any]] = {}
+    for job in jobs:
+        name = run_of(job)
+        if name is not None and job.submission_id:
+            runs.setdefault(name, []).append(job)
+    return {name: submissions(js, name) for name, js in sorted(runs.items())}
+
+
+def live(jobs: list[Any]) -> Any | None:
+    """The newest PENDING/RUNNING submission among `jobs`, if any."""
+    alive = [j for j in jobs if state(j) in LIVE]
+    return alive[-1] if alive else None
+
+
+def next_submission_id(jobs: list[Any], run: str) -> str:
+    pattern = re.compile(rf"^raylift-{re.escape(run)}-(\d+)$")
+    numbers = [int(m.group(1)) for j in jobs if (m := pattern.match(j.submission_id or ""))]
+    return f"raylift-{run}-{max(numbers, default=0) + 1}"
+
+
+@dataclass
+class Progress:
+    """What the run's metrics file says about how far it is."""
+
+    step: int | None = None
+    total: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    eta_s: float | None = None
+    restarts: int = 0
+    lost_steps: int = 0
+    note: str | None = None  # why nothing could be read, when so
+
+
+def read_progress(meta: dict[str, str], total: int | None = None) -> Progress:
+    """The one place that reads a run's progress (the metrics file today; a run journal
+    later). `meta` is the submission's metadata: it names the run's storage."""
+    from trainer.metrics import lineage, read_records
+    from trainer.storage import resolve
+
+    uri = meta.get("raylift_storage")
+    if not uri:
+        return Progress(note="no storage recorded for this submission")
+    try:
+        run = resolve(uri, meta.get("raylift_endpoint") or None, meta.get("raylift_region") or None)
+        records = read_records(run.join(meta[RUN_KEY], "metrics.jsonl"))
+    except Exception as exc:  # a shared-FS path that only the cluster mounts, no creds, …
+        return Progress(note=f"metrics not readable from here: {str(exc).splitlines()[0]}")
+    steps, lost = lineage(records)
+    restarts = sum(1 for r in records if r.get("event") == "resume")
+    if total is None and meta.get("raylift_max_steps"):
+        total = int(meta["raylift_max_steps"])
+    if not steps:
+        return Progress(total=total, restarts=restarts, lost_steps=lost)
+    last = steps[-1]
+    eta = None
+    tps = last.get("tokens_per_s")
+    if total and tps and last.get("tokens_seen"):
+        per_step = last["tokens_seen"] / last["step"]
+        eta = max(total - last["step"], 0) * per_step / tps
+    return Progress(
+        step=int(last["step"]),
+        total=total,
+        loss=last.get("loss"),
+        tokens_per_s=tps,
+        eta_s=eta,
+        restarts=restarts,
+        lost_steps=lost,
+    )
+
+
+_STEP_TOTAL = re.compile(r"step \d+/(\d+) loss")
+
+
+def total_from_logs(logs: str) -> int | None:
+    """Rank 0 logs `step N/M`; with `epochs` (not max_steps) M is known only there."""
+    found = _STEP_TOTAL.findall(logs[-200_000:])
+    return int(found[-1]) if found else None
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = round(seconds)
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
