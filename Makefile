@@ -9,6 +9,9 @@ STAMP := $(VENV)/.raylift-installed
 EXTRAS := train,tools,infra,dev
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
+# Two pytest workers, a file each at a time: most of a Ray test's time is single-threaded
+# start-up (imports, polls), so a second stream fills the other core.
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test lint format bench image push clean
 
@@ -27,7 +30,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .

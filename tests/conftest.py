@@ -45,6 +45,25 @@ os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 
 S3_KEY, S3_SECRET = "raylift-test", "raylift-test-secret"
 
+# The longest files first: `make test` runs two workers a file at a time, and a long file
+# started last would leave one worker idle while the other finishes it.
+LONGEST_FIRST = (
+    "test_strategies.py",
+    "test_faults.py",
+    "test_ray_train.py",
+    "test_submit_cli.py",
+    "test_data_cluster.py",
+    "test_doctor.py",
+    "test_agent_drain.py",
+    "test_torchrun.py",
+    "test_demo.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
+
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:

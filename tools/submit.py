@@ -356,6 +356,19 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--as-test", action="store_true", help="one step, no checkpoint")
     r.add_argument("--no-follow", action="store_true", help="submit and return")
     r.add_argument("--no-progress", action="store_true", help="plain log lines, no bar")
+    r.add_argument(
+        "--resubmit",
+        action="store_true",
+        help="after a lost head or driver: wait for the cluster, then resubmit the run name "
+        "(it resumes from storage); a finished run is not run again",
+    )
+    r.add_argument(
+        "--wait",
+        type=float,
+        default=1800.0,
+        metavar="S",
+        help="with --resubmit: how long to wait for the cluster (default %(default)s s)",
+    )
 
     s = sub.add_parser("status", parents=[common], help="a run's progress, or all runs")
     s.add_argument("run", nargs="?", help="run name (or a submission id)")
@@ -438,6 +451,27 @@ def _run(args: argparse.Namespace, cfg: JobConfig, target: cluster.Target) -> in
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
+    if args.resubmit:
+        from tools.jobcli import resubmit
+
+        step = resubmit.finished_step(cfg)
+        if step is not None:
+            print(f"run {cfg.run.name} already finished (step {step}); nothing to resubmit")
+            return 0
+        # One token for the whole wait: the environment may change under a long wait.
+        token = target.token or (auth_headers() or {}).get("Authorization", "")[7:] or None
+
+        def connect() -> Any:
+            client = client_for(target.address, token)
+            client.list_jobs()
+            return client
+
+        client = resubmit.wait_for_cluster(connect, target.address, args.wait)
+        live = runs.live(runs.submissions(client.list_jobs(), cfg.run.name))
+        if live is not None:
+            print(f"run {cfg.run.name} is live as job {live.submission_id}; following it")
+            return _follow_to_end(client, live.submission_id, progress=not args.no_progress)
+        target = cluster.Target(target.address, token, target.source, target.local)
     client, job_id = submit(
         cfg, target.address, job_env(cfg, args.env), target.token, local=target.local
     )

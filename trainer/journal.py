@@ -6,7 +6,8 @@ the same object: S3 has no append, and a shared FS gives no atomic append across
 Readers merge the files by time. Events (each a JSON object with `time`, `event`,
 `source`):
 
-- `attempt`: an attempt (worker group) started: `attempt`, `world_size`, `from_step`,
+- `attempt`: an attempt (worker group) started: `attempt`, `after` (`start`, `stop`: a
+  resubmission after a clean stop, `failure`: a restart), `world_size`, `from_step`,
   `lost_steps` (steps trained past the checkpoint it resumed from), `lost_s` (wall time
   from the last step before the failure to the first step of this attempt).
 - `failure`: the controller saw the worker group fail: `cause` (`worker_died`,
@@ -94,7 +95,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     failures = [r for r in records if r["event"] == "failure"]
     ckpts = [r for r in records if r["event"] == "checkpoint"]
     preemptions = [r for r in records if r["event"] == "preemption"]
-    restarts = attempts[1:]
+    # Restarts after a failure; a resubmission after a clean stop costs nothing.
+    restarts = [a for a in attempts[1:] if a.get("after", "failure") == "failure"]
     causes: dict[str, int] = {}
     for f in failures:
         causes[f["cause"]] = causes.get(f["cause"], 0) + 1

@@ -397,10 +397,13 @@ def _journal_attempt(rt: Runtime, metrics_file: MetricsFile | None, start: int) 
     last_step = max((int(r["step"]) for r in previous), default=start)
     last_time = max((float(r["time"]) for r in previous), default=None)
     trained = [r for r in journal_mod.read(rt.run) if r["source"].startswith("attempt-")]
-    if trained and trained[-1]["event"] == "stopped":
-        last_step, last_time = start, None  # resubmitted after a clean stop: nothing lost
+    after = "failure" if trained else "start"
+    if trained and trained[-1]["event"] in ("stopped", "finished"):
+        after = "stop"  # resubmitted after a clean stop: nothing lost
+        last_step, last_time = start, None
     rt.journal.add(
         "attempt",
+        after=after,
         attempt=metrics_file.attempt if metrics_file is not None else 1,
         world_size=rt.world_size,
         from_step=start,

@@ -12,6 +12,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -365,3 +366,82 @@ def test_spot_notice_checkpoints_at_once_and_loses_no_step(ray_cluster, tiny, tm
     assert [a["lost_steps"] for a in attempts] == [0, 0]
     _same_weights(load_file(str(run_dir / FINAL)), reference["weights"], atol=1e-5)
     assert json.loads((run_dir / "summary.json").read_text())["run"] == "spot"
+
+
+# ---------------------------------------------------------------- head / driver loss
+
+
+def test_head_loss_resubmit_resumes_from_storage_and_leaves_a_finished_run_alone(
+    tiny, tmp_path, reference, capsys
+):
+    """The whole cluster (head, driver and all) dies mid-run. `submit.py run --resubmit`
+    waits for a cluster at the same address, resubmits the run name and the run finishes
+    from storage with the reference weights; a second --resubmit of the finished run
+    submits nothing."""
+    import secrets
+
+    from tools.localcluster import LocalCluster, free_port
+
+    saved = os.environ.get("RAY_AUTH_TOKEN")
+    token, port = secrets.token_hex(32), free_port()
+    path = fault_job(tiny, tmp_path, "headloss")
+    argv = ["run", str(path), "--resubmit", "--no-progress"]
+
+    def cluster() -> LocalCluster:
+        c = LocalCluster(num_cpus=0, token=token, dashboard_port=port).start()
+        c.add_node(num_cpus=1, labels={"large_cpu_mem": "true"})
+        c.add_node(num_cpus=1, labels={"pool": "cpu"})
+        c.wait_nodes(3)
+        return c
+
+    first = cluster()
+    second = None
+    try:
+        os.environ["RAY_AUTH_TOKEN"] = token
+        cfg, client, job_id = launch(first, path)
+        run = resolve(cfg.storage.path).join(cfg.run.name)
+
+        def checkpointed() -> bool:
+            newest = ckpt_mod.find_latest(run, allow_scratch=True)
+            return newest is not None and ckpt_mod.step_of(newest) >= 2 * EVERY
+
+        _wait(checkpointed, "a checkpoint at step 50", client, job_id)
+        first.stop()  # head, driver, workers: all gone
+
+        os.environ["RAY_AUTH_TOKEN"] = token
+        result: dict[str, int] = {}
+        waiter = threading.Thread(
+            target=lambda: result.update(
+                rc=submit.main([*argv, "--address", f"http://127.0.0.1:{port}"])
+            ),
+            daemon=True,
+        )
+        waiter.start()  # it waits for the cluster to come back
+        time.sleep(3)
+        assert waiter.is_alive(), capsys.readouterr()
+        second = cluster()
+        os.environ["RAY_AUTH_TOKEN"] = token
+        waiter.join(timeout=600)
+        out = capsys.readouterr()
+        assert result.get("rc") == 0, out.out[-3000:] + out.err[-3000:]
+        assert "waiting for the Ray cluster" in out.err
+
+        records, steps, _ = history(cfg)
+        resumes = [r for r in records if r.get("event") == "resume"]
+        assert len(resumes) == 1 and resumes[0]["from_step"] >= 2 * EVERY, resumes
+        assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+        _same_weights(load_file(str(Path(run.path) / FINAL)), reference["weights"], atol=1e-5)
+
+        jobs_before = len(submit.client_for(second.dashboard_url, token).list_jobs())
+        rc = submit.main([*argv, "--address", second.dashboard_url])
+        out = capsys.readouterr()
+        assert rc == 0 and "already finished" in out.out + out.err, out
+        assert len(submit.client_for(second.dashboard_url, token).list_jobs()) == jobs_before
+    finally:
+        for c in (second, first):
+            if c is not None and c._cluster is not None:
+                c.stop()
+        if saved is None:
+            os.environ.pop("RAY_AUTH_TOKEN", None)
+        else:
+            os.environ["RAY_AUTH_TOKEN"] = saved

@@ -143,12 +143,15 @@ def test_journal_merges_writers_and_summarizes(tmp_path):
     b.add("upload_retry", step=50, attempt=1, error="503")
     b.add("checkpoint", step=50, kind="emergency", save_s=1.5, upload_s=4.0)
     b.add("preemption", step=50, deadline_s=100.0, save_s=5.5, margin_s=94.5)
-    b.add("finished", step=60)
+    b.add("stopped", step=60)
+    d = journal.Journal(run, "attempt-3-rank0")  # a resubmission after the clean stop
+    d.add("attempt", attempt=3, after="stop", world_size=2, from_step=60, lost_steps=0)
+    d.add("finished", step=80)
     (run.path and Path(run.path) / "journal" / "attempt-2-rank0.jsonl").open("a").write("{torn")
     records = journal.read(run)
     assert [r["event"] for r in records][:3] == ["attempt", "checkpoint", "failure"]
     s = journal.summarize(records)
-    assert s["attempts"] == 2 and s["restarts"] == 1
+    assert s["attempts"] == 3 and s["restarts"] == 1  # the clean resubmission is no restart
     assert s["failures"] == {"worker_died": 1} and s["lost_steps"] == [7]
     assert s["lost_s"] == 21.5 and s["upload_retries"] == 1 and s["finished"]
     assert s["mean_save_s"] == 1.0 and s["mean_upload_s"] == 3.0

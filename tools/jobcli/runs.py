@@ -84,6 +84,14 @@ def read_progress(meta: dict[str, str], total: int | None = None) -> Progress:
         return Progress(note=f"metrics not readable from here: {str(exc).splitlines()[0]}")
     steps, lost = lineage(records)
     restarts = sum(1 for r in records if r.get("event") == "resume")
+    try:  # the run journal knows restarts from clean resubmissions apart
+        from trainer import journal
+
+        faults = journal.summarize(journal.read(run.join(meta[RUN_KEY])))
+        if faults["attempts"]:
+            restarts, lost = faults["restarts"], sum(faults["lost_steps"])
+    except Exception:  # an older run without a journal, or unreadable from here
+        pass
     if total is None and meta.get("raylift_max_steps"):
         total = int(meta["raylift_max_steps"])
     if not steps:
