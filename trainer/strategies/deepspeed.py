@@ -175,7 +175,12 @@ class DeepSpeedStrategy:
                 [
                     *param_tensors(params),
                     *(getattr(p, "ds_tensor", None) for p in params),
-                    *_tensors(zero, "bit16_groups_flat", "fp16_partitioned_groups_flat"),
+                    *_tensors(
+                        zero,
+                        "bit16_groups_flat",
+                        "fp16_partitioned_groups_flat",
+                        "param_groups_fp16_flat_cpu_memory",  # ZeRO-3 with offload_param
+                    ),
                 ]
             ),
             "optimizer": count.add(
@@ -196,9 +201,12 @@ class DeepSpeedStrategy:
                         "averaged_gradients",
                         "ipg_buffer",
                     ),
-                    *(
-                        getattr(b, "buffer", None)
-                        for b in getattr(zero, "ipg_buckets", {}).values()
+                    # Reduce buckets: a tensor (ZeRO-3) or a list of them (ZeRO-1/2).
+                    *_flatten(
+                        [
+                            getattr(b, "buffer", None)
+                            for b in getattr(zero, "ipg_buckets", {}).values()
+                        ]
                     ),
                 ]
             ),
@@ -206,20 +214,17 @@ class DeepSpeedStrategy:
 
 
 def _tensors(obj: Any, *names: str) -> list[Any]:
-    """The tensors under `obj`'s attributes `names` (a tensor, or lists/dicts of them);
-    attributes the ZeRO stage in use does not have are skipped."""
-    out: list[Any] = []
+    """The tensors under `obj`'s attributes `names`; attributes the ZeRO stage in use does
+    not have are skipped."""
+    return _flatten([getattr(obj, name, None) for name in names])
 
-    def walk(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, dict):
-            for v in value.values():
-                walk(v)
-        elif isinstance(value, list | tuple):
-            for v in value:
-                walk(v)
 
-    for name in names:
-        walk(getattr(obj, name, None))
-    return out
+def _flatten(value: Any) -> list[Any]:
+    """Tensors in a tensor, or in (nested) lists, tuples and dicts of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _flatten(v)]
+    return []
