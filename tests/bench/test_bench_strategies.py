@@ -16,9 +16,16 @@ Targets (PASS/MISS): FSDP's and ZeRO-3's per-worker params + grads + optimizer b
 are DDP's / world_size within ±15% (the slack covers shard padding, ZeRO-3's unpartitioned
 small parameters and reduce buckets, and Adam's per-tensor step counters; it is two-sided,
 so a strategy whose state is undercounted misses too); QLoRA's are the smallest of all.
-Every strategy's share of DDP's state (ZeRO-2 replicates parameters; ZeRO-3 with offload
-keeps a separate fp32 master partition, which plain fp32 ZeRO-3 shares with its
-parameters) and its tokens/s against DDP's are reported without a target.
+Every strategy's share of DDP's state and its tokens/s against DDP's are reported
+without a target.
+
+Expected on CPU: ZeRO-3 misses, at about 0.63 of DDP (20 bytes per parameter / N, not
+16). In fp32 it keeps an fp32 master partition beside its fp32 parameter partition:
+DeepSpeed 0.19.8 means to reuse the partition as the master when the dtypes and devices
+match (stage3.py, `_create_fp32_partitions`), but compares a torch.device with the string
+its accelerator returns ('cpu'), which is never equal. Under bf16 on GPUs the master
+copy is needed anyway (2 + 2 + 12 bytes per parameter / N against DDP's 16), and the
+target is the issue's. ZeRO-2 replicates parameters (about 0.75).
 
 Writes build/bench/strategies.json, strategies.png (the harness's panels) and
 strategies_breakdown.png (stacked state per worker, peak RSS, tokens/s).
