@@ -349,9 +349,13 @@ class JobConfig(_Section):
                 "ZeRO optimizer owns the optimizer states); use adamw, or ddp/fsdp for 8-bit"
             )
         if self.model.adapter != "none" and self.strategy.name != "ddp":
+            # The sharded strategies build the model without PEFT (FSDP2's meta-device
+            # skeleton, ZeRO-3's partitioned init), so they would train every weight.
             raise ValueError(
-                f"model.adapter: {self.model.adapter} composes with strategy ddp in this "
-                f"build, not {self.strategy.name}; adapters are small enough to replicate"
+                f"model.adapter: {self.model.adapter} works with strategy ddp only in this "
+                f"build ({self.strategy.name} loads the model without adapters and would "
+                "train every weight); use strategy ddp (the frozen base is replicated: "
+                "about 4 GB for a 4-bit 7B) or model.adapter none"
             )
         if t.global_batch_size is not None:
             per_step = t.micro_batch_size * s.max_workers

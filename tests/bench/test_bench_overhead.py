@@ -1,6 +1,10 @@
 """Trainer overhead: tokens/s of the Raylift loop against a bare torch DDP loop, same
-model, same batch, 2 gloo workers. Target: ≥ 0.95 of bare, both under torchrun and
-submitted to a local Ray cluster (the production path, Ray Train V2).
+model, same batch, 2 gloo workers. Targets: under torchrun, ≥ 0.97 of bare: DDP through
+the strategy seam stays within 3% of the old DDP path (issue 8). The old path is gone;
+the bare loop (tests/bench/bare_ddp.py: load, wrap in DDP, forward, backward, clip, step)
+is what it did minus all bookkeeping, so it is the stricter, fair stand-in. Submitted to
+a local Ray cluster (the production path, Ray Train V2), ≥ 0.95 of bare: that ratio also
+carries Ray Train's own per-worker costs, which are not the seam's.
 
 The three commands run interleaved (Raylift torchrun, bare, Raylift on Ray, then again),
 and each ratio is taken within a round, so load from other processes on the machine hits
@@ -33,7 +37,8 @@ HIDDEN = env_int("RAYLIFT_BENCH_HIDDEN", 256)
 LAYERS = env_int("RAYLIFT_BENCH_LAYERS", 4)
 LOG_EVERY = env_int("RAYLIFT_BENCH_LOG_EVERY", 1)
 BLOCK, MICRO, ROWS = 128, 8, 20000
-TARGET = 0.95
+SEAM_TARGET = 0.97  # issue 8: DDP through the seam within 3% of the old path
+RAY_TARGET = 0.95
 HERE = Path(__file__).resolve().parent
 
 
@@ -119,8 +124,8 @@ def test_trainer_overhead(tmp_path):
                 "raylift_ray_train": raylift_ray,
             },
             checks=[
-                Check("ratio_torchrun", _ratio("raylift_torchrun"), TARGET, unit="× bare"),
-                Check("ratio_ray_train", _ratio("raylift_ray_train"), TARGET, unit="× bare"),
+                Check("ratio_torchrun", _ratio("raylift_torchrun"), SEAM_TARGET, unit="× bare"),
+                Check("ratio_ray_train", _ratio("raylift_ray_train"), RAY_TARGET, unit="× bare"),
             ],
             metric="tokens_per_s",
             unit="tokens/s",

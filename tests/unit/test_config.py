@@ -81,7 +81,18 @@ def test_contradicting_grad_accum(tmp_path):
         (["model.attn_implementation=flash_attention_2"], "Input should be 'sdpa' or 'eager'"),
         (["strategy.name=zero9"], "strategy.name: 'zero9' is not available"),
         (["train.strategy=fsdp"], "train.strategy moved to its own section"),
-        (["strategy.name=fsdp", "model.adapter=lora"], "model.adapter: lora composes with"),
+        (
+            ["strategy.name=fsdp", "model.adapter=lora"],
+            "model.adapter: lora works with strategy ddp only in this build (fsdp loads",
+        ),
+        (
+            ["strategy.name=fsdp", "model.adapter=qlora"],
+            "model.adapter: qlora works with strategy ddp only",
+        ),
+        (
+            ["strategy.name=deepspeed", "model.adapter=lora"],
+            "(deepspeed loads the model without adapters and would train every weight)",
+        ),
         (
             ["strategy.name=deepspeed", "optim.name=adamw8bit"],
             "optim.name: adamw8bit is not available with strategy deepspeed",

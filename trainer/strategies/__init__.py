@@ -68,6 +68,13 @@ class Strategy(Protocol):
         """Write the user's export under `out`; True on the rank(s) that wrote files.
         Collective: every rank calls it."""
 
+    def state_nbytes(self) -> dict[str, int]:
+        """Bytes of training state THIS rank holds, by kind: `params`, `grads`,
+        `optimizer` (master weights included), each storage counted once, in whatever
+        memory holds it (device, or CPU when offloaded). Called between backward and
+        step, it is the state at its peak; activations and transient buffers are not in
+        it (a process's peak RSS or peak device memory is where those show)."""
+
 
 def build_strategy(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> Strategy:
     name = cfg.strategy.name

@@ -4,6 +4,7 @@ loss scaler (or its no-op stand-in), and clipping that also works on sharded gra
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -100,3 +101,73 @@ class Evaluating:
     def __exit__(self, *exc: object) -> None:
         self._grad.__exit__(*exc)
         self.model.train(self.was_training)
+
+
+# ------------------------------------------------------------------ memory accounting
+# What a strategy holds, by kind, counted from the tensors themselves: each storage once
+# (views, flat buffers and aliases share one), DTensors by their local shard, 4-bit
+# weights by their packed bytes plus quantization constants. Counting what Python's
+# garbage collector can see misses storages only C++ holds (ZeRO's flat partitions,
+# FSDP's padded shards), so every strategy names its own tensors instead.
+
+STATE_KINDS = ("params", "grads", "optimizer")
+
+
+class StorageCounter:
+    """Sums the bytes of distinct storages; a storage already counted (under any kind)
+    adds nothing, so a master copy that *is* the parameter partition counts once."""
+
+    def __init__(self) -> None:
+        self._seen: set[int] = set()
+
+    def add(self, tensors: Iterable[Any]) -> int:
+        total = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            if hasattr(t, "to_local"):  # DTensor: this rank's shard only
+                t = t.to_local()
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if storage.nbytes() == 0 or ptr in self._seen:
+                continue
+            self._seen.add(ptr)
+            total += storage.nbytes()
+        return total
+
+
+def param_tensors(params: Iterable[torch.nn.Parameter]) -> Iterable[Any]:
+    """A parameter's data, and for a bitsandbytes 4-bit weight its quantization state
+    (absmax, codebook, nested double-quantization constants)."""
+    for p in params:
+        yield p
+        quant = getattr(p, "quant_state", None)
+        if quant is not None:
+            yield from _quant_tensors(quant)
+
+
+def _quant_tensors(quant: Any) -> Iterable[Any]:
+    for value in vars(quant).values():
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif hasattr(value, "absmax"):  # the nested state of double quantization
+            yield from _quant_tensors(value)
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> Iterable[Any]:
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+def torch_state_nbytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Params, grads and optimizer state of a torch-native strategy (DDP, FSDP2; with
+    LoRA/QLoRA the frozen base is in params, and only adapters have grads and state)."""
+    params = list(model.parameters())
+    count = StorageCounter()
+    return {
+        "params": count.add(param_tensors(params)),
+        "grads": count.add(p.grad for p in params),
+        "optimizer": count.add(optimizer_state_tensors(optimizer)),
+    }

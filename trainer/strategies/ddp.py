@@ -26,6 +26,7 @@ from trainer.strategies.common import (
     build_optimizer,
     clip_grad_norm,
     loss_scaler,
+    torch_state_nbytes,
 )
 
 
@@ -131,6 +132,11 @@ class DDPStrategy:
         if tokenizer is not None:
             tokenizer.save_pretrained(out / "model")
         return True
+
+    def state_nbytes(self) -> dict[str, int]:
+        # DDP's reducer also keeps its gradient buckets (about one more copy of the
+        # gradients) in C++; they are communication buffers, not counted here.
+        return torch_state_nbytes(self.hf, self.optimizer)
 
 
 def _source_vocab(model_dir: Path) -> int:

@@ -29,7 +29,12 @@ from trainer.config import DeepSpeedOptions, JobConfig
 from trainer.errors import CheckpointError, UserError
 from trainer.model import load_model, model_config
 from trainer.strategies import ModelSource, param_groups
-from trainer.strategies.common import Evaluating
+from trainer.strategies.common import (
+    Evaluating,
+    StorageCounter,
+    optimizer_state_tensors,
+    param_tensors,
+)
 
 EXTENSIONS_DIR = str(Path(tempfile.gettempdir()) / "raylift" / "torch_extensions")
 """Where DeepSpeed's JIT-built ops go when the image has none prebuilt (CPU runs here): one
@@ -155,3 +160,71 @@ class DeepSpeedStrategy:
         if tokenizer is not None:
             tokenizer.save_pretrained(out / "model")
         return True
+
+    def state_nbytes(self) -> dict[str, int]:
+        """ZeRO keeps its state in flat buffers the module never shows: the parameter
+        partitions (ZeRO-3, behind each parameter's `ds_tensor`) or the flat bit16 groups
+        (ZeRO-2), the fp32 master partitions (a separate copy unless they already are the
+        fp32 parameter partitions), the partitioned gradient buffers and reduce buckets,
+        and the inner optimizer's moments (in CPU RAM when offloaded)."""
+        zero = self.engine.optimizer
+        params = list(self.engine.module.parameters())
+        count = StorageCounter()
+        return {
+            "params": count.add(
+                [
+                    *param_tensors(params),
+                    *(getattr(p, "ds_tensor", None) for p in params),
+                    *_tensors(
+                        zero,
+                        "bit16_groups_flat",
+                        "fp16_partitioned_groups_flat",
+                        "param_groups_fp16_flat_cpu_memory",  # ZeRO-3 with offload_param
+                    ),
+                ]
+            ),
+            "optimizer": count.add(
+                [
+                    *_tensors(
+                        zero, "single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"
+                    ),
+                    *optimizer_state_tensors(self.optimizer),
+                ]
+            ),
+            "grads": count.add(
+                [
+                    *(p.grad for p in params),
+                    *_tensors(
+                        zero,
+                        "grad_partitions_flat_buffer",
+                        "grads_in_partition",
+                        "averaged_gradients",
+                        "ipg_buffer",
+                    ),
+                    # Reduce buckets: a tensor (ZeRO-3) or a list of them (ZeRO-1/2).
+                    *_flatten(
+                        [
+                            getattr(b, "buffer", None)
+                            for b in getattr(zero, "ipg_buckets", {}).values()
+                        ]
+                    ),
+                ]
+            ),
+        }
+
+
+def _tensors(obj: Any, *names: str) -> list[Any]:
+    """The tensors under `obj`'s attributes `names`; attributes the ZeRO stage in use does
+    not have are skipped."""
+    return _flatten([getattr(obj, name, None) for name in names])
+
+
+def _flatten(value: Any) -> list[Any]:
+    """Tensors in a tensor, or in (nested) lists, tuples and dicts of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _flatten(v)]
+    return []

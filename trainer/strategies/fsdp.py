@@ -26,7 +26,12 @@ from trainer.config import FSDPOptions, JobConfig
 from trainer.errors import CheckpointError, UserError
 from trainer.model import full_state_dict, model_config
 from trainer.strategies import ModelSource
-from trainer.strategies.common import Evaluating, build_optimizer, clip_grad_norm
+from trainer.strategies.common import (
+    Evaluating,
+    build_optimizer,
+    clip_grad_norm,
+    torch_state_nbytes,
+)
 
 
 class FSDPStrategy:
@@ -155,6 +160,10 @@ class FSDPStrategy:
         if tokenizer is not None:
             tokenizer.save_pretrained(out / "model")
         return True
+
+    def state_nbytes(self) -> dict[str, int]:
+        # Parameters, grads and Adam moments are DTensors: their local (padded) shards.
+        return torch_state_nbytes(self.model, self.optimizer)
 
 
 def decoder_layers(model: torch.nn.Module, layer_class: str | None) -> list[torch.nn.Module]:
