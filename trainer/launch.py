@@ -15,7 +15,7 @@ from typing import Any
 
 from trainer import preflight
 from trainer.config import JobConfig
-from trainer.data import prepare
+from trainer.data import Settings, prepare, read_chat_template
 from trainer.errors import UserError
 from trainer.loop import Prepared
 from trainer.runtime import run_location
@@ -29,12 +29,8 @@ def prepare_inputs(cfg: JobConfig, progress: bool = True) -> Prepared:
     from trainer.model import load_tokenizer, local_tokenizer_dir
 
     tokenizer = load_tokenizer(local_tokenizer_dir(cfg), cfg.model.special_tokens)
-    common = dict(
-        append_eos=cfg.data.append_eos,
-        on_bad_line=cfg.data.on_bad_line,
-        cache_root=cfg.data.cache_dir,
-        progress=progress,
-    )
+    settings = data_settings(cfg)
+    common = dict(cache_root=cfg.data.cache_dir, progress=progress, settings=settings)
     train_cache = prepare(cfg.data.train_file, tokenizer, **common)
     eval_cache = prepare(cfg.data.eval_file, tokenizer, **common) if cfg.data.eval_file else None
     blocks = train_cache.meta["num_tokens"] // cfg.data.block_size
@@ -46,6 +42,20 @@ def prepare_inputs(cfg: JobConfig, progress: bool = True) -> Prepared:
     return Prepared(
         train_cache=str(train_cache.dir),
         eval_cache=str(eval_cache.dir) if eval_cache else None,
+    )
+
+
+def data_settings(cfg: JobConfig) -> Settings:
+    d = cfg.data
+    return Settings(
+        append_eos=d.append_eos,
+        on_bad_line=d.on_bad_line,
+        loss_on=d.loss_on,
+        chat_template=read_chat_template(d.chat_template),
+        long_rows=d.long_rows,
+        block_size=d.block_size,
+        endpoint=cfg.storage.endpoint_override,
+        region=cfg.storage.region,
     )
 
 
