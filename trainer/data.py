@@ -222,6 +222,7 @@ class ShardStats:
     first_skipped: list[str] = field(default_factory=list)
     long_rows: int = 0
     dropped_rows: int = 0
+    node: str = ""  # the Ray node that wrote it (cluster tokenizing)
 
 
 def token_dtype(tokenizer: Any) -> Any:
@@ -346,7 +347,13 @@ def summarize(sources: list[SourceFile], stats: list[ShardStats], dtype: Any) ->
         "long_rows": sum(s.long_rows for s in stats),
         "dropped_rows": sum(s.dropped_rows for s in stats),
         "shards": [
-            {"file": s.file, "source": s.source, "tokens": s.tokens, "masked": s.masked}
+            {
+                "file": s.file,
+                "source": s.source,
+                "tokens": s.tokens,
+                "masked": s.masked,
+                "node": s.node,
+            }
             for s in stats
         ],
     }

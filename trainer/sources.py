@@ -22,6 +22,10 @@ from trainer.errors import DataError, UserError
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 TEXT_KEYS = ("text", "input")
 _GLOB = set("*?[")
+_SHAPE = (
+    'expected an object with a string "text" or "input" field, string "prompt" and '
+    '"completion" fields, or a "messages" list'
+)
 
 
 @dataclass(frozen=True)
@@ -201,7 +205,7 @@ def _iter_parquet(
 def parse_row(obj: Any) -> tuple[Example | None, str | None]:
     """A row's meaning, or why it has none."""
     if not isinstance(obj, dict):
-        return None, "expected a JSON object"
+        return None, _SHAPE
     for key in TEXT_KEYS:
         value = obj.get(key)
         if isinstance(value, str):
@@ -227,9 +231,7 @@ def parse_row(obj: Any) -> tuple[Example | None, str | None]:
         if not isinstance(p, str) or not isinstance(c, str):
             return None, '"prompt" and "completion" must both be strings'
         return Example(messages=(("user", p), ("assistant", c))), None
-    return None, (
-        'expected a string "text" or "input" field, "prompt" + "completion", or "messages"'
-    )
+    return None, _SHAPE
 
 
 def iter_examples(

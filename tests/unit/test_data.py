@@ -59,7 +59,7 @@ def test_malformed_line_error_and_skip(tmp_path, tokenizer):
     meta = cache.meta
     assert (meta["documents"], meta["skipped_lines"]) == (2, 2)
     assert meta["first_skipped"][0].startswith(f"{data}:2:")
-    assert meta["first_skipped"][1].startswith(f"{data}:3: expected a string")
+    assert meta["first_skipped"][1].startswith(f"{data}:3: expected an object with a string")
 
 
 def test_iter_examples_counts(tmp_path):

@@ -90,8 +90,8 @@ def test_every_format_folder_and_glob_give_one_stream(tmp_path, tokenizer):
     ("name", "bad", "where"),
     [
         ("part-2.jsonl.gz", '{"text": "cut', ":3: not valid JSON"),
-        ("part-2.jsonl.zst", '{"txt": "x"}', ":3: expected a string"),
-        ("part-2.parquet", {"text": None}, ":row 3: expected a string"),
+        ("part-2.jsonl.zst", '{"txt": "x"}', ":3: expected an object with a string"),
+        ("part-2.parquet", {"text": None}, ":row 3: expected an object with a string"),
     ],
 )
 def test_bad_row_is_named_in_every_format(tmp_path, tokenizer, name, bad, where):
