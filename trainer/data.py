@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -459,16 +460,53 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
 # ---------------------------------------------------------------- reading blocks
 
 
+class _Files:
+    """A few open file descriptors, least recently used closed first: a worker reading a
+    corpus of thousands of shards keeps a bounded number open."""
+
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self.fds: OrderedDict[Path, int] = OrderedDict()
+
+    def pread(self, path: Path, nbytes: int, offset: int) -> bytes:
+        fd = self.fds.pop(path, None)
+        if fd is None:
+            fd = os.open(path, os.O_RDONLY)
+            while len(self.fds) >= self.limit:
+                os.close(self.fds.popitem(last=False)[1])
+        self.fds[path] = fd
+        data = os.pread(fd, nbytes, offset)
+        if len(data) != nbytes:
+            raise DataError(f"{path}: shorter than its manifest says; delete the cache folder")
+        return data
+
+    def __del__(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
 class PackedBlocks:
     """Fixed-length blocks over the shards laid end to end: block i is tokens
-    [i·B, (i+1)·B) of that stream, with its labels (-100 where the mask is 0)."""
+    [i·B, (i+1)·B) of that stream, with its labels (-100 where the mask is 0).
+
+    Blocks are read with pread, not through a memory map: the bytes pass through the page
+    cache, which the kernel may drop, instead of staying mapped into this process, so a
+    worker's resident memory stays flat however much of the corpus it has read."""
 
     def __init__(self, cache: TokenCache, block_size: int):
-        self.shards = cache.shards()
-        sizes = [len(ids) for ids, _ in self.shards]
+        meta = cache.meta
+        self.dtype = np.dtype(meta["dtype"])
+        shards = [s for s in meta["shards"] if s["tokens"]]
+        d = cache.dir
+        self.paths = [
+            (d / f"{s['file']}.bin", d / f"{s['file']}.mask" if s["masked"] else None)
+            for s in shards
+        ]
+        sizes = [s["tokens"] for s in shards]
         self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.block_size = block_size
         self.num_blocks = int(self.starts[-1]) // block_size
+        self.files = _Files()
 
     def __len__(self) -> int:
         return self.num_blocks
@@ -477,16 +515,18 @@ class PackedBlocks:
         stop = start + len(ids_out)
         k = int(np.searchsorted(self.starts, start, side="right")) - 1
         pos = start
+        size = self.dtype.itemsize
         while pos < stop:
-            ids, mask = self.shards[k]
+            ids_path, mask_path = self.paths[k]
             lo = pos - int(self.starts[k])
-            hi = min(stop, int(self.starts[k + 1])) - int(self.starts[k])
-            n = hi - lo
+            n = min(stop, int(self.starts[k + 1])) - pos
             a = pos - start
-            ids_out[a : a + n] = ids[lo:hi]
-            labels_out[a : a + n] = ids[lo:hi]
-            if mask is not None:
-                labels_out[a : a + n][mask[lo:hi] == 0] = IGNORE
+            ids = np.frombuffer(self.files.pread(ids_path, n * size, lo * size), self.dtype)
+            ids_out[a : a + n] = ids
+            labels_out[a : a + n] = ids
+            if mask_path is not None:
+                mask = np.frombuffer(self.files.pread(mask_path, n, lo), np.uint8)
+                labels_out[a : a + n][mask == 0] = IGNORE
             pos += n
             k += 1
 
