@@ -31,28 +31,22 @@ from typing import Any
 import numpy as np
 
 from trainer.errors import DataError, UserError
-from trainer.sources import Example, ScanReport, SourceFile, iter_examples, list_sources
+from trainer.sources import (
+    Example,
+    ScanReport,
+    SourceFile,
+    iter_examples,
+    list_sources,
+)
+from trainer.sources import (
+    load_special_tokens as load_special_tokens,  # re-exported: trainer.model uses it
+)
 
 log = logging.getLogger(__name__)
 
 CACHE_VERSION = 2
 IGNORE = -100  # the label Hugging Face's loss skips
 _BATCH_DOCS = 2048
-
-
-def load_special_tokens(path: str | Path) -> list[str]:
-    """Read a `{"tokens": [...]}` file (the Ray Llama template's tokens.json)."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: special-tokens file not found") from None
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
-    tokens = data.get("tokens") if isinstance(data, dict) else None
-    if not isinstance(tokens, list) or not all(isinstance(t, str) and t for t in tokens):
-        raise DataError(f'{path}: expected {{"tokens": ["<TOK>", ...]}} with non-empty strings')
-    return tokens
 
 
 # ---------------------------------------------------------------- settings and cache key

@@ -98,7 +98,7 @@ def run_all(cfg: JobConfig, strict: bool = True) -> Report:
     if cfg.model.tokenizer and not cfg.model.tokenizer.startswith("s3://"):
         _local_or_note(cfg.model.tokenizer, "model.tokenizer", strict, report)
     if cfg.model.special_tokens:
-        from trainer.data import load_special_tokens
+        from trainer.sources import load_special_tokens
 
         if _local_or_note(cfg.model.special_tokens, "model.special_tokens", strict, report):
             load_special_tokens(cfg.model.special_tokens)

@@ -64,6 +64,21 @@ class ScanReport:
     first_skipped: list[str] = field(default_factory=list)
 
 
+def load_special_tokens(path: str | Path) -> list[str]:
+    """Read a `{"tokens": [...]}` file (the Ray Llama template's tokens.json)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: special-tokens file not found") from None
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+    tokens = data.get("tokens") if isinstance(data, dict) else None
+    if not isinstance(tokens, list) or not all(isinstance(t, str) and t for t in tokens):
+        raise DataError(f'{path}: expected {{"tokens": ["<TOK>", ...]}} with non-empty strings')
+    return tokens
+
+
 def _supported(name: str) -> bool:
     return name.endswith(SUFFIXES)
 
