@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.data import Settings, ShardStats, tokenize_file
-from trainer.errors import DataError
+from trainer.errors import DataError, UserError
 from trainer.sources import SourceFile
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def _tokenize_row(
     try:
         stats = tokenize_file(src, f"shard-{row['index']:05d}", Path(folder), tokenizer, settings)
         out["stats"] = _dump(stats)
-    except DataError as exc:
+    except UserError as exc:  # a bad row, or a chat row with no template: one line
         out["error"] = str(exc)
     out["node"] = ray.get_runtime_context().get_node_id()
     return out

@@ -114,8 +114,9 @@ def evaluate(
             with strategy.precision():
                 out = strategy.model(input_ids=x, labels=y)
             n = int((y[:, 1:] != -100).sum())  # the predictions the loss averaged over
-            loss_sum += float(out.loss) * n
-            count += n
+            if n:  # a batch of prompt tokens only has no loss (HF returns NaN for it)
+                loss_sum += float(out.loss) * n
+                count += n
     loss_sum, count = _all_reduce_sum([loss_sum, count], device, rt.world_size)
     loss = loss_sum / max(count, 1.0)
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
