@@ -243,21 +243,31 @@ def tokenize_file(
         batch: list[Example] = []
 
         def flush() -> None:
-            ids_parts, mask_parts = [], []
+            kept = []
             for ids, mask in enc.encode(batch):
                 if len(ids) > settings.block_size:
                     stats.long_rows += 1
                     if settings.long_rows == "drop":
                         stats.dropped_rows += 1
                         continue
-                ids_parts.append(np.asarray(ids, dtype=dtype))
-                if mask is not None:
+                kept.append((ids, mask))
+            if not kept:
+                pass  # every row of the batch was dropped
+            elif not stats.masked and all(m is None for _, m in kept):
+                # Text only so far: no mask file (a pretraining corpus never pays for one).
+                flat = np.concatenate([np.asarray(ids, dtype=dtype) for ids, _ in kept])
+                ids_out.write(flat.tobytes())
+                stats.tokens += int(flat.size)
+            else:
+                if not stats.masked:  # the first masked row: everything before is in the loss
                     stats.masked = True
-                mask_parts.append(mask if mask is not None else np.ones(len(ids), np.uint8))
-            if ids_parts:
+                    for done in range(0, stats.tokens, 1 << 24):
+                        mask_out.write(b"\x01" * min(1 << 24, stats.tokens - done))
+                ids_parts = [np.asarray(ids, dtype=dtype) for ids, _ in kept]
+                masks = [np.ones(len(i), np.uint8) if m is None else m for i, m in kept]
                 flat = np.concatenate(ids_parts)
                 ids_out.write(flat.tobytes())
-                mask_out.write(np.concatenate(mask_parts).tobytes())
+                mask_out.write(np.concatenate(masks).tobytes())
                 stats.tokens += int(flat.size)
             if on_bytes is not None:
                 on_bytes(sum(len(e.text or "") + sum(len(c) for _, c in e.messages) for e in batch))

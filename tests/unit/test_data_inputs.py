@@ -156,6 +156,22 @@ def test_chat_rows_train_on_completions_only(tmp_path, tokenizer):
     assert np.array_equal(all_ids[0], ids) and np.array_equal(all_labels[0], ids)
 
 
+def test_text_rows_before_chat_rows_stay_in_the_loss(tmp_path, tokenizer, monkeypatch):
+    """The mask file starts at the first masked row; the text before it is all loss."""
+    import trainer.data as data_mod
+
+    monkeypatch.setattr(data_mod, "_BATCH_DOCS", 4)  # text fills whole batches first
+    data = write(tmp_path / "mixed.jsonl", [*ROWS[:10], *CHAT])
+    cache = prepare(data, tokenizer, progress=False, settings=Settings(chat_template=TEMPLATE))
+    text_only = prepare(write(tmp_path / "t.jsonl", ROWS[:10]), tokenizer, progress=False)
+    n = text_only.meta["num_tokens"]
+    ids, labels = all_blocks(cache, cache.meta["num_tokens"])
+    assert cache.meta["shards"][0]["masked"]
+    assert np.array_equal(labels[0, :n], ids[0, :n])
+    assert np.array_equal(ids[0, :n], text_only.tokens())
+    assert (labels[0, n:] == IGNORE).any()
+
+
 def test_loss_is_the_mean_over_completion_tokens(tmp_path, tokenizer, tiny):
     """What the loop computes, model(input_ids, labels): only completion tokens count."""
     import torch
