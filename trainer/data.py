@@ -436,9 +436,15 @@ def tokenize_local(
     bar = _progress(sum(s.size for s in sources), "tokenizing", progress)
     stats = []
     for i, src in enumerate(sources):
-        done_before = bar.n
-        stats.append(tokenize_file(src, f"shard-{i:05d}", folder, tokenizer, settings, bar.update))
-        bar.update(done_before + src.size - bar.n)
+        end = bar.n + src.size
+
+        def advance(chars: int, end: int = end) -> None:
+            # Text characters stand in for file bytes (compressed files read more of
+            # them); the bar never passes the end of the current file.
+            bar.update(max(min(bar.n + chars, end) - bar.n, 0))
+
+        stats.append(tokenize_file(src, f"shard-{i:05d}", folder, tokenizer, settings, advance))
+        bar.update(end - bar.n)
     bar.close()
     return stats
 
