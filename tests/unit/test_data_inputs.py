@@ -242,3 +242,28 @@ def test_s3_prefix_reads_like_local_and_reuses_its_cache(
     client.put_object(Bucket=bucket, Key="corpus/part-3.jsonl", Body=b'{"text": "new"}\n')
     changed = prepare(spec, tokenizer, progress=False, settings=settings, cache_root=tmp_path)
     assert changed.dir != cache.dir and changed.meta["documents"] == 46
+
+
+def test_cluster_tokenizing_is_chosen_for_many_files_on_ray(tmp_path, monkeypatch, tiny):
+    from trainer.config import load_config
+    from trainer.launch import _tokenize_on_cluster
+
+    folder = sharded(tmp_path / "sharded", ROWS)
+    base = {
+        "model": {"path": str(tiny["model"])},
+        "data": {"train_file": str(folder)},
+        "run": {"name": "t"},
+    }
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    assert not _tokenize_on_cluster(load_config(base))  # no Ray cluster
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert _tokenize_on_cluster(load_config(base))
+    assert _tokenize_on_cluster(load_config(base, [f"data.train_file={folder}/part-*"]))
+    one = str(folder / "part-3.jsonl")
+    assert not _tokenize_on_cluster(load_config(base, [f"data.train_file={one}"]))
+    assert _tokenize_on_cluster(
+        load_config(base, [f"data.train_file={one}", "data.tokenize_on=cluster"])
+    )
+    assert not _tokenize_on_cluster(load_config(base, ["data.tokenize_on=driver"]))
