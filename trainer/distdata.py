@@ -53,6 +53,7 @@ def tokenize_on_cluster(
     import json
 
     import ray
+    import ray.data
 
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
