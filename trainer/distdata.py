@@ -19,6 +19,18 @@ from trainer.sources import SourceFile
 
 log = logging.getLogger(__name__)
 
+# What a task needs from the driver's environment to read S3 where nodes have no
+# instance role (an S3-compatible server, a laptop cluster); the same set Ray Train
+# workers get.
+_PASS_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_EC2_METADATA_DISABLED",
+)
+
 
 def _tokenize_row(
     row: dict[str, Any], folder: str, tokenizer: Any, settings: Settings
@@ -45,6 +57,13 @@ def _dump(stats: ShardStats) -> str:
     return json.dumps(asdict(stats))
 
 
+def _task_env() -> dict[str, str]:
+    env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
+    # One tokenizer thread per task: the cluster's parallelism is one task per CPU.
+    env.update(RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="true")
+    return env
+
+
 def tokenize_on_cluster(
     sources: list[SourceFile], folder: Path, tokenizer: Any, settings: Settings, progress: bool
 ) -> list[ShardStats]:
@@ -68,8 +87,7 @@ def tokenize_on_cluster(
         _tokenize_row,
         fn_kwargs={"folder": str(folder), "tokenizer": tokenizer, "settings": settings},
         num_cpus=1,
-        # One tokenizer thread per task: the cluster's parallelism is one task per CPU.
-        runtime_env={"env_vars": {"RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "true"}},
+        runtime_env={"env_vars": _task_env()},
     )
     rows = sorted(ds.take_all(), key=lambda r: r["index"])
     for r in rows:
