@@ -74,20 +74,47 @@ class ModelSection(_Section):
 
 
 class DataSection(_Section):
-    train_file: str = Field(description='JSONL with {"input": ...} or {"text": ...} rows.')
-    eval_file: str | None = Field(default=None, description="JSONL for eval loss/perplexity.")
+    train_file: str = Field(
+        description="A file, folder, glob or s3:// prefix of .jsonl, .jsonl.gz, .jsonl.zst or "
+        '.parquet files; rows are {"text"} / {"input"}, {"prompt", "completion"} or '
+        '{"messages": [{"role", "content"}, ...]}. Files are read in sorted path order.'
+    )
+    eval_file: str | None = Field(
+        default=None, description="The same kinds of input, for eval loss/perplexity."
+    )
     block_size: int = Field(default=1024, gt=1, description="Tokens per packed sequence.")
     on_bad_line: Literal["error", "skip"] = Field(
         default="error",
-        description="error: stop at the first malformed line (file:line). "
-        "skip: skip it, count it, and report the count and first line numbers.",
+        description="error: stop at the first malformed row (file:line, or file:row N for "
+        "parquet). skip: skip it, count it, and report the count and first rows.",
     )
     append_eos: bool = Field(
         default=True, description="End every document with EOS (kept in the loss)."
     )
+    loss_on: Literal["all", "completion"] = Field(
+        default="completion",
+        description="completion: prompt/completion and chat rows are trained on the completion "
+        "and assistant tokens only (text rows: every token). all: every token of every row.",
+    )
+    chat_template: str | None = Field(
+        default=None,
+        description="Jinja chat template (a file path or the text) for prompt/completion and "
+        "chat rows; null = the tokenizer's own.",
+    )
+    long_rows: Literal["split", "drop"] = Field(
+        default="split",
+        description="Rows longer than block_size: split across blocks, or drop them; the count "
+        "is reported either way.",
+    )
+    tokenize_on: Literal["auto", "driver", "cluster"] = Field(
+        default="auto",
+        description="cluster: Ray Data tasks on every node's CPUs, one per input file. driver: "
+        "one process where the job starts. auto: cluster for several files on a Ray cluster.",
+    )
     cache_dir: str | None = Field(
         default=None,
-        description="Where tokenized caches go; default is next to the data file.",
+        description="Where tokenized caches go (a shared-FS folder every node mounts); default "
+        "is next to local data. Required for s3:// data.",
     )
 
 
@@ -413,9 +440,20 @@ class JobConfig(_Section):
                 f"run.name: {self.run.name!r} must be 1-128 of letters, digits, '.', '_', '-' "
                 "(it becomes a storage path)"
             )
-        if self.storage.endpoint_override and not self.storage.is_s3:
+        if self.storage.endpoint_override and not (self.storage.is_s3 or self._s3_data):
             raise ValueError("storage.endpoint_override is only meaningful for an s3:// path")
+        if self._s3_data and not self.data.cache_dir:
+            raise ValueError(
+                "data.cache_dir: required for s3:// data (a shared-FS folder every node "
+                "mounts, where the tokenized shards are written)"
+            )
         return self
+
+    @property
+    def _s3_data(self) -> bool:
+        return any(
+            (f or "").startswith("s3://") for f in (self.data.train_file, self.data.eval_file)
+        )
 
     # Derived values every part of the trainer agrees on.
     @property

@@ -1,11 +1,16 @@
-"""Data: JSONL → tokens once → a memory-mapped file → packed blocks, sampled by index.
+"""Data: rows → tokens once → sharded memory-mapped files → packed blocks, sampled by index.
 
-The pipeline is nanoGPT-shaped on purpose. The corpus is tokenized once, streamed to a
-flat token file next to the data (never held in RAM), and training reads fixed-length
-blocks out of a memory map. Which blocks a worker reads at a given step is a pure
-function of (seed, epoch, step, rank), so resume is exact and does not need any loader
-state beyond the step counter; because the order is defined over the *global* batch,
-resuming with a different number of workers (same global batch) reads the same data.
+The pipeline is nanoGPT-shaped on purpose. Each input file is tokenized once into its own
+shard of flat token ids (plus, for instruction and chat rows, a parallel byte per token that
+says whether the token is in the loss), streamed to disk and never held in RAM; training
+reads fixed-length blocks out of memory maps. The shards are laid end to end in the sorted
+order of the input files, so the token stream, and with it every block, is the same
+whoever tokenized which file (one process here, or Ray Data tasks across the cluster).
+
+Which blocks a worker reads at a given step is a pure function of (seed, epoch, step,
+rank), so resume is exact and needs no loader state beyond the step counter; because the
+order is defined over the *global* batch, resuming with a different number of workers
+(same global batch) reads the same data.
 """
 
 from __future__ import annotations
@@ -14,167 +19,434 @@ import hashlib
 import json
 import logging
 import os
+import re
+import shutil
 import tempfile
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-# Reading the JSONL lives in trainer.documents (numpy-free, for the laptop's preflight).
-from trainer.documents import ScanReport, iter_documents
 from trainer.errors import DataError, UserError
+from trainer.sources import (
+    Example,
+    ScanReport,
+    SourceFile,
+    iter_examples,
+    list_sources,
+)
+from trainer.sources import (
+    load_special_tokens as load_special_tokens,  # re-exported: trainer.model uses it
+)
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+IGNORE = -100  # the label Hugging Face's loss skips
 _BATCH_DOCS = 2048
 
 
-def file_fingerprint(path: Path) -> str:
-    """Cheap identity of a possibly huge file: size, mtime and the bytes at both ends."""
-    st = path.stat()
-    h = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-        if st.st_size > 1 << 20:
-            f.seek(max(st.st_size - (1 << 20), 0))
-            h.update(f.read(1 << 20))
-    return h.hexdigest()[:16]
+# ---------------------------------------------------------------- settings and cache key
 
 
-def tokenizer_fingerprint(tokenizer: Any, append_eos: bool) -> str:
+@dataclass(frozen=True)
+class Settings:
+    """Everything besides the input bytes and the tokenizer that changes the tokens."""
+
+    append_eos: bool = True
+    on_bad_line: str = "error"
+    loss_on: str = "completion"
+    chat_template: str | None = None  # the template's text, not its path
+    long_rows: str = "split"
+    block_size: int = 1024
+    endpoint: str | None = None
+    region: str | None = None
+
+    def key(self) -> str:
+        # block_size only changes the tokens when long rows are dropped.
+        block = self.block_size if self.long_rows == "drop" else 0
+        tpl = hashlib.sha256((self.chat_template or "").encode()).hexdigest()[:16]
+        return (
+            f"eos={self.append_eos}|bad={self.on_bad_line}|loss={self.loss_on}|tpl={tpl}"
+            f"|long={self.long_rows}:{block}|v{CACHE_VERSION}"
+        )
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """`data.chat_template` is a path to a Jinja file, or the template itself."""
+    if value is None:
+        return None
+    if "{" not in value:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise UserError(f"data.chat_template {value}: file not found (or give the Jinja text)")
+        return path.read_text()
+    return value
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
     h = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
-    h.update(f"|eos={tokenizer.eos_token_id}|append_eos={append_eos}|v{CACHE_VERSION}".encode())
+    template = getattr(tokenizer, "chat_template", None) or ""
+    h.update(f"|eos={tokenizer.eos_token_id}|tpl={template}".encode())
     return h.hexdigest()[:16]
+
+
+def source_fingerprint(src: SourceFile) -> str:
+    """Cheap identity of a possibly huge file: path, size, mtime, and for local files the
+    bytes at both ends. S3 objects are identified by key, size and mtime (reading them
+    again would be the very cost the cache saves)."""
+    h = hashlib.sha256(f"{src.uri}|{src.size}|{src.mtime_ns}".encode())
+    if not src.is_s3:
+        with open(src.uri, "rb") as f:
+            h.update(f.read(1 << 20))
+            if src.size > 1 << 20:
+                f.seek(max(src.size - (1 << 20), 0))
+                h.update(f.read(1 << 20))
+    return h.hexdigest()
+
+
+def cache_key(sources: list[SourceFile], tokenizer: Any, settings: Settings) -> str:
+    h = hashlib.sha256(tokenizer_fingerprint(tokenizer).encode())
+    h.update(settings.key().encode())
+    for src in sources:
+        h.update(source_fingerprint(src).encode())
+    return h.hexdigest()[:16]
+
+
+def cache_dir_for(spec: str, sources: list[SourceFile], cache_root: str | None, key: str) -> Path:
+    if cache_root:
+        root = Path(cache_root).expanduser()
+    elif spec.startswith("s3://"):
+        raise UserError(f"{spec}: S3 data needs data.cache_dir, a shared-FS folder every node sees")
+    else:
+        root = Path(sources[0].uri).parent / ".raylift-cache"
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", spec.rstrip("/").rsplit("/", 1)[-1]) or "data"
+    return root / f"{name}-{key}"
+
+
+# ---------------------------------------------------------------- encoding rows
+
+
+class Encoder:
+    """Rows → (token ids, loss mask). Text rows are all loss. Chat rows (and prompt /
+    completion pairs, which are a one-turn chat) are rendered with the chat template; with
+    loss_on=completion only the assistant turns (and the closing EOS) are in the loss."""
+
+    def __init__(self, tokenizer: Any, settings: Settings):
+        self.tok = tokenizer
+        self.backend = tokenizer.backend_tokenizer
+        self.s = settings
+        self.eos = tokenizer.eos_token_id if settings.append_eos else None
+        self.template = settings.chat_template or getattr(tokenizer, "chat_template", None)
+
+    def encode(self, examples: list[Example]) -> list[tuple[list[int], np.ndarray | None]]:
+        out: list[tuple[list[int], np.ndarray | None]] = [([], None)] * len(examples)
+        texts = [(i, e.text) for i, e in enumerate(examples) if e.text is not None]
+        if texts:
+            encs = self.backend.encode_batch_fast([t for _, t in texts], add_special_tokens=True)
+            for (i, _), enc in zip(texts, encs, strict=True):
+                out[i] = (self._eos(enc.ids), None)
+        chats = [(i, e) for i, e in enumerate(examples) if e.text is None]
+        if chats:
+            rendered = [self._render(e) for _, e in chats]
+            encs = self.backend.encode_batch([r[0] for r in rendered], add_special_tokens=False)
+            for (i, _), (_, spans), enc in zip(chats, rendered, encs, strict=True):
+                ids = self._eos(enc.ids)
+                if self.s.loss_on == "all":
+                    out[i] = (ids, None)
+                    continue
+                mask = np.zeros(len(ids), dtype=np.uint8)
+                for j, (start, _end) in enumerate(enc.offsets):
+                    mask[j] = any(a <= start < b for a, b in spans)
+                if len(ids) > len(enc.ids):
+                    mask[-1] = 1  # the EOS we add closes the answer: the model learns to stop
+                out[i] = (ids, mask)
+        return out
+
+    def _eos(self, ids: list[int]) -> list[int]:
+        if self.eos is not None and (not ids or ids[-1] != self.eos):
+            return [*ids, self.eos]
+        return ids
+
+    def _render(self, example: Example) -> tuple[str, list[tuple[int, int]]]:
+        """The whole conversation, and the character spans of its assistant turns: a turn's
+        span runs from the end of the prompt that asks for it (the conversation so far plus
+        the generation prompt) to the end of the conversation rendered through it."""
+        msgs = [{"role": r, "content": c} for r, c in example.messages]
+        full = self._apply(msgs, False)
+        spans = []
+        for k, (role, _) in enumerate(example.messages):
+            if role != "assistant":
+                continue
+            before = self._apply(msgs[:k], True) if k else ""
+            through = self._apply(msgs[: k + 1], False)
+            if not (full.startswith(before) and full.startswith(through)):
+                raise UserError(
+                    "the chat template does not render a conversation's turns as prefixes of "
+                    "the whole; set data.chat_template to one that does, or data.loss_on: all"
+                )
+            spans.append((len(before), len(through)))
+        return full, spans
+
+    def _apply(self, msgs: list[dict[str, str]], gen: bool) -> str:
+        if not msgs:
+            return ""
+        if not self.template:
+            raise UserError(
+                "chat rows need a chat template: the tokenizer has none; set data.chat_template"
+            )
+        return self.tok.apply_chat_template(
+            msgs, chat_template=self.template, tokenize=False, add_generation_prompt=gen
+        )
+
+
+# ---------------------------------------------------------------- shards
+
+
+@dataclass
+class ShardStats:
+    file: str  # the shard's file stem inside the cache folder
+    source: str
+    tokens: int = 0
+    masked: bool = False
+    documents: int = 0
+    skipped: int = 0
+    first_skipped: list[str] = field(default_factory=list)
+    long_rows: int = 0
+    dropped_rows: int = 0
+    node: str = ""  # the Ray node that wrote it (cluster tokenizing)
+
+
+def token_dtype(tokenizer: Any) -> Any:
+    return np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
+
+
+def tokenize_file(
+    src: SourceFile,
+    stem: str,
+    folder: Path,
+    tokenizer: Any,
+    settings: Settings,
+    on_bytes: Callable[[int], None] | None = None,
+) -> ShardStats:
+    """Tokenize one input file into `<stem>.bin` (+ `<stem>.mask` if any token is out of
+    the loss) in `folder`. Memory: one batch of rows. Raises DataError with file:line."""
+    enc = Encoder(tokenizer, settings)
+    dtype = token_dtype(tokenizer)
+    stats = ShardStats(file=stem, source=src.uri)
+    report = ScanReport()
+    mask_path = folder / f"{stem}.mask"
+    with open(folder / f"{stem}.bin", "wb") as ids_out, open(mask_path, "wb") as mask_out:
+        batch: list[Example] = []
+
+        def flush() -> None:
+            kept = []
+            for ids, mask in enc.encode(batch):
+                if len(ids) > settings.block_size:
+                    stats.long_rows += 1
+                    if settings.long_rows == "drop":
+                        stats.dropped_rows += 1
+                        continue
+                kept.append((ids, mask))
+            if not kept:
+                pass  # every row of the batch was dropped
+            elif not stats.masked and all(m is None for _, m in kept):
+                # Text only so far: no mask file (a pretraining corpus never pays for one).
+                flat = np.concatenate([np.asarray(ids, dtype=dtype) for ids, _ in kept])
+                ids_out.write(flat.tobytes())
+                stats.tokens += int(flat.size)
+            else:
+                if not stats.masked:  # the first masked row: everything before is in the loss
+                    stats.masked = True
+                    for done in range(0, stats.tokens, 1 << 24):
+                        mask_out.write(b"\x01" * min(1 << 24, stats.tokens - done))
+                ids_parts = [np.asarray(ids, dtype=dtype) for ids, _ in kept]
+                masks = [np.ones(len(i), np.uint8) if m is None else m for i, m in kept]
+                flat = np.concatenate(ids_parts)
+                ids_out.write(flat.tobytes())
+                mask_out.write(np.concatenate(masks).tobytes())
+                stats.tokens += int(flat.size)
+            if on_bytes is not None:
+                on_bytes(sum(len(e.text or "") + sum(len(c) for _, c in e.messages) for e in batch))
+            batch.clear()
+
+        for example in iter_examples(
+            src, settings.on_bad_line, report, settings.endpoint, settings.region
+        ):
+            batch.append(example)
+            if len(batch) == _BATCH_DOCS:
+                flush()
+        flush()
+    if not stats.masked:
+        mask_path.unlink()
+    stats.documents, stats.skipped = report.documents, report.skipped
+    stats.first_skipped = report.first_skipped
+    return stats
+
+
+# ---------------------------------------------------------------- the cache
 
 
 @dataclass(frozen=True)
 class TokenCache:
-    """A tokenized file on disk: `tokens.bin` (flat ids) and `meta.json`."""
+    """A tokenized corpus on disk: `manifest.json` and one `shard-NNNNN.bin` (flat ids,
+    with a `.mask` of 0/1 loss bytes beside it when some tokens are masked) per input."""
 
     dir: Path
 
     @property
     def meta(self) -> dict[str, Any]:
-        return json.loads((self.dir / "meta.json").read_text())
+        return json.loads((self.dir / "manifest.json").read_text())
 
-    def tokens(self) -> np.memmap:
+    def shards(self) -> list[tuple[np.memmap, np.memmap | None]]:
         meta = self.meta
-        return np.memmap(
-            self.dir / "tokens.bin",
-            dtype=np.dtype(meta["dtype"]),
-            mode="r",
-            shape=(meta["num_tokens"],),
+        dtype = np.dtype(meta["dtype"])
+        out = []
+        for shard in meta["shards"]:
+            if shard["tokens"] == 0:
+                continue
+            ids = np.memmap(
+                self.dir / f"{shard['file']}.bin", dtype=dtype, mode="r", shape=(shard["tokens"],)
+            )
+            mask = None
+            if shard["masked"]:
+                mask = np.memmap(
+                    self.dir / f"{shard['file']}.mask",
+                    dtype=np.uint8,
+                    mode="r",
+                    shape=(shard["tokens"],),
+                )
+            out.append((ids, mask))
+        return out
+
+    def tokens(self) -> np.ndarray:
+        """The whole token stream in one array: for tests and small corpora only."""
+        parts = [ids for ids, _ in self.shards()]
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
+
+def _finish(tmp: Path, out: Path, meta: dict[str, Any]) -> TokenCache:
+    (tmp / "manifest.json").write_text(json.dumps(meta, indent=2))
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        # Someone else finished the same cache first; theirs is equally valid.
+        if not (out / "manifest.json").exists():
+            raise
+    return TokenCache(out)
+
+
+def summarize(sources: list[SourceFile], stats: list[ShardStats], dtype: Any) -> dict[str, Any]:
+    first_skipped = [s for st in stats for s in st.first_skipped][:5]
+    return {
+        "version": CACHE_VERSION,
+        "sources": [s.uri for s in sources],
+        "dtype": np.dtype(dtype).name,
+        "num_tokens": sum(s.tokens for s in stats),
+        "documents": sum(s.documents for s in stats),
+        "skipped_lines": sum(s.skipped for s in stats),
+        "first_skipped": first_skipped,
+        "long_rows": sum(s.long_rows for s in stats),
+        "dropped_rows": sum(s.dropped_rows for s in stats),
+        "shards": [
+            {
+                "file": s.file,
+                "source": s.source,
+                "tokens": s.tokens,
+                "masked": s.masked,
+                "node": s.node,
+            }
+            for s in stats
+        ],
+    }
+
+
+def _report(spec: str, meta: dict[str, Any], settings: Settings, out: Path) -> None:
+    if meta["skipped_lines"]:
+        log.warning(
+            "%s: skipped %d malformed rows (first: %s)",
+            spec,
+            meta["skipped_lines"],
+            "; ".join(meta["first_skipped"]),
         )
-
-
-def cache_dir_for(data_file: Path, cache_root: str | None, tok_fp: str) -> Path:
-    root = Path(cache_root) if cache_root else data_file.parent / ".raylift-cache"
-    return root / f"{data_file.name}-{file_fingerprint(data_file)}-{tok_fp}"
+    if meta["long_rows"]:
+        verb = "dropped" if settings.long_rows == "drop" else "split across blocks"
+        log.warning(
+            "%s: %d rows are longer than a block of %d tokens: %s (data.long_rows)",
+            spec,
+            meta["long_rows"],
+            settings.block_size,
+            verb,
+        )
+    log.info(
+        "tokenized %s: %d files, %d documents, %d tokens → %s",
+        spec,
+        len(meta["shards"]),
+        meta["documents"],
+        meta["num_tokens"],
+        out,
+    )
 
 
 def prepare(
-    data_file: str | Path,
+    data: str | Path,
     tokenizer: Any,
     *,
     append_eos: bool = True,
     on_bad_line: str = "error",
     cache_root: str | None = None,
     progress: bool = True,
+    settings: Settings | None = None,
+    tokenize_shards: Callable[..., list[ShardStats]] | None = None,
 ) -> TokenCache:
-    """Tokenize `data_file` into a cache (or reuse a finished one). Streams: peak memory is
-    one batch of documents, whatever the corpus size. The cache appears atomically."""
-    path = Path(data_file)
-    if str(data_file).startswith("s3://"):
-        raise UserError(
-            f"{data_file}: data files are read from a local or shared-FS path (e.g. EFS); "
-            "copy the JSONL there"
-        )
-    if not path.is_file():
-        raise UserError(f"{path}: data file not found")
-    if append_eos and tokenizer.eos_token_id is None:
+    """Tokenize the files `data` names (a file, folder, glob or s3:// prefix) into a cache,
+    or reuse a finished one. The cache appears atomically. `tokenize_shards` swaps the
+    local loop for another engine (trainer.distdata: Ray Data across the cluster)."""
+    spec = str(data)
+    settings = settings or Settings(append_eos=append_eos, on_bad_line=on_bad_line)
+    if settings.append_eos and tokenizer.eos_token_id is None:
         raise UserError("the tokenizer has no EOS token; add one or set data.append_eos: false")
-    out = cache_dir_for(path, cache_root, tokenizer_fingerprint(tokenizer, append_eos))
-    if (out / "meta.json").exists():
+    sources = list_sources(spec, settings.endpoint, settings.region)
+    out = cache_dir_for(spec, sources, cache_root, cache_key(sources, tokenizer, settings))
+    if (out / "manifest.json").exists():
         log.info("using tokenized cache %s", out)
         return TokenCache(out)
-
-    vocab = len(tokenizer)
-    dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32
-    eos = tokenizer.eos_token_id
-    backend = tokenizer.backend_tokenizer
-    report = ScanReport()
-    total = path.stat().st_size
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    num_tokens = 0
-    bar = _progress(total, f"tokenizing {path.name}", progress)
     try:
-        with open(tmp / "tokens.bin", "wb") as sink:
-            batch: list[str] = []
-            docs = iter_documents(path, on_bad_line, report)
-            consumed = 0
-            for text in docs:
-                batch.append(text)
-                if len(batch) == _BATCH_DOCS:
-                    num_tokens += _encode_into(
-                        backend, batch, eos if append_eos else None, dtype, sink
-                    )
-                    consumed += sum(len(t) for t in batch)
-                    bar.update(min(consumed, total) - bar.n)
-                    batch = []
-            if batch:
-                num_tokens += _encode_into(backend, batch, eos if append_eos else None, dtype, sink)
-        bar.update(total - bar.n)
-        bar.close()
-        if report.documents == 0:
-            raise DataError(f"{path}: no usable documents (skipped {report.skipped} lines)")
-        meta = {
-            "version": CACHE_VERSION,
-            "source": str(path.resolve()),
-            "dtype": np.dtype(dtype).name,
-            "num_tokens": num_tokens,
-            "documents": report.documents,
-            "skipped_lines": report.skipped,
-            "first_skipped": report.first_skipped,
-            "vocab_size": vocab,
-            "eos_token_id": eos,
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            # Someone else finished the same cache first; theirs is equally valid.
-            if not (out / "meta.json").exists():
-                raise
+        engine = tokenize_shards or tokenize_local
+        stats = engine(sources, tmp, tokenizer, settings, progress)
+        meta = summarize(sources, stats, token_dtype(tokenizer))
+        if meta["documents"] == 0:
+            raise DataError(f"{spec}: no usable documents (skipped {meta['skipped_lines']} rows)")
+        cache = _finish(tmp, out, meta)
     finally:
-        if tmp.exists():
-            for child in tmp.iterdir():
-                child.unlink()
-            tmp.rmdir()
-    if report.skipped:
-        log.warning(
-            "%s: skipped %d malformed lines (first: %s)",
-            path,
-            report.skipped,
-            "; ".join(report.first_skipped),
-        )
-    log.info("tokenized %s: %d documents, %d tokens → %s", path, report.documents, num_tokens, out)
-    return TokenCache(out)
+        shutil.rmtree(tmp, ignore_errors=True)
+    _report(spec, meta, settings, out)
+    return cache
 
 
-def _encode_into(backend: Any, texts: list[str], eos: int | None, dtype: Any, sink: Any) -> int:
-    encodings = backend.encode_batch_fast(texts, add_special_tokens=True)
-    chunks = []
-    for enc in encodings:
-        ids = enc.ids
-        if eos is not None and (not ids or ids[-1] != eos):
-            ids = [*ids, eos]
-        chunks.append(np.asarray(ids, dtype=dtype))
-    flat = np.concatenate(chunks) if chunks else np.empty(0, dtype=dtype)
-    sink.write(flat.tobytes())
-    return int(flat.size)
+def tokenize_local(
+    sources: list[SourceFile], folder: Path, tokenizer: Any, settings: Settings, progress: bool
+) -> list[ShardStats]:
+    """Every file in this process, one after the other (the engine without Ray)."""
+    bar = _progress(sum(s.size for s in sources), "tokenizing", progress)
+    stats = []
+    for i, src in enumerate(sources):
+        end = bar.n + src.size
+
+        def advance(chars: int, end: int = end) -> None:
+            # Text characters stand in for file bytes (compressed files read more of
+            # them); the bar never passes the end of the current file.
+            bar.update(max(min(bar.n + chars, end) - bar.n, 0))
+
+        stats.append(tokenize_file(src, f"shard-{i:05d}", folder, tokenizer, settings, advance))
+        bar.update(end - bar.n)
+    bar.close()
+    return stats
 
 
 class _NullBar:
@@ -195,23 +467,87 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, mininterval=2.0)
 
 
+# ---------------------------------------------------------------- reading blocks
+
+
+class _Files:
+    """A few open file descriptors, least recently used closed first: a worker reading a
+    corpus of thousands of shards keeps a bounded number open."""
+
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self.fds: OrderedDict[Path, int] = OrderedDict()
+
+    def pread(self, path: Path, nbytes: int, offset: int) -> bytes:
+        fd = self.fds.pop(path, None)
+        if fd is None:
+            fd = os.open(path, os.O_RDONLY)
+            while len(self.fds) >= self.limit:
+                os.close(self.fds.popitem(last=False)[1])
+        self.fds[path] = fd
+        data = os.pread(fd, nbytes, offset)
+        if len(data) != nbytes:
+            raise DataError(f"{path}: shorter than its manifest says; delete the cache folder")
+        return data
+
+    def __del__(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
 class PackedBlocks:
-    """Fixed-length blocks over a token cache: block i is tokens[i*B:(i+1)*B]."""
+    """Fixed-length blocks over the shards laid end to end: block i is tokens
+    [i·B, (i+1)·B) of that stream, with its labels (-100 where the mask is 0).
+
+    Blocks are read with pread, not through a memory map: the bytes pass through the page
+    cache, which the kernel may drop, instead of staying mapped into this process, so a
+    worker's resident memory stays flat however much of the corpus it has read."""
 
     def __init__(self, cache: TokenCache, block_size: int):
-        self.tokens = cache.tokens()
+        meta = cache.meta
+        self.dtype = np.dtype(meta["dtype"])
+        shards = [s for s in meta["shards"] if s["tokens"]]
+        d = cache.dir
+        self.paths = [
+            (d / f"{s['file']}.bin", d / f"{s['file']}.mask" if s["masked"] else None)
+            for s in shards
+        ]
+        sizes = [s["tokens"] for s in shards]
+        self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.block_size = block_size
-        self.num_blocks = len(self.tokens) // block_size
+        self.num_blocks = int(self.starts[-1]) // block_size
+        self.files = _Files()
 
     def __len__(self) -> int:
         return self.num_blocks
 
-    def gather(self, indices: np.ndarray) -> np.ndarray:
+    def _read(self, start: int, ids_out: np.ndarray, labels_out: np.ndarray) -> None:
+        stop = start + len(ids_out)
+        k = int(np.searchsorted(self.starts, start, side="right")) - 1
+        pos = start
+        size = self.dtype.itemsize
+        while pos < stop:
+            ids_path, mask_path = self.paths[k]
+            lo = pos - int(self.starts[k])
+            n = min(stop, int(self.starts[k + 1])) - pos
+            a = pos - start
+            ids = np.frombuffer(self.files.pread(ids_path, n * size, lo * size), self.dtype)
+            ids_out[a : a + n] = ids
+            labels_out[a : a + n] = ids
+            if mask_path is not None:
+                mask = np.frombuffer(self.files.pread(mask_path, n, lo), np.uint8)
+                labels_out[a : a + n][mask == 0] = IGNORE
+            pos += n
+            k += 1
+
+    def gather(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(input ids, labels), each int64 of shape (len(indices), block_size)."""
         b = self.block_size
-        out = np.empty((len(indices), b), dtype=np.int64)
+        ids = np.empty((len(indices), b), dtype=np.int64)
+        labels = np.empty((len(indices), b), dtype=np.int64)
         for row, i in enumerate(indices):
-            out[row] = self.tokens[int(i) * b : (int(i) + 1) * b]
-        return out
+            self._read(int(i) * b, ids[row], labels[row])
+        return ids, labels
 
 
 @dataclass(frozen=True)

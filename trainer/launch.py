@@ -12,11 +12,12 @@ import logging
 import os
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from trainer import preflight
 from trainer.config import JobConfig
-from trainer.data import prepare
+from trainer.data import Settings, prepare, read_chat_template
 from trainer.errors import UserError
 from trainer.loop import Prepared
 from trainer.runtime import run_location
@@ -30,12 +31,12 @@ def prepare_inputs(cfg: JobConfig, progress: bool = True) -> Prepared:
     from trainer.model import load_tokenizer, local_tokenizer_dir
 
     tokenizer = load_tokenizer(local_tokenizer_dir(cfg), cfg.model.special_tokens)
-    common = dict(
-        append_eos=cfg.data.append_eos,
-        on_bad_line=cfg.data.on_bad_line,
-        cache_root=cfg.data.cache_dir,
-        progress=progress,
-    )
+    settings = data_settings(cfg)
+    common = dict(cache_root=cfg.data.cache_dir, progress=progress, settings=settings)
+    if _tokenize_on_cluster(cfg):
+        from trainer.distdata import tokenize_on_cluster
+
+        common["tokenize_shards"] = tokenize_on_cluster
     train_cache = prepare(cfg.data.train_file, tokenizer, **common)
     eval_cache = prepare(cfg.data.eval_file, tokenizer, **common) if cfg.data.eval_file else None
     blocks = train_cache.meta["num_tokens"] // cfg.data.block_size
@@ -47,6 +48,39 @@ def prepare_inputs(cfg: JobConfig, progress: bool = True) -> Prepared:
     return Prepared(
         train_cache=str(train_cache.dir),
         eval_cache=str(eval_cache.dir) if eval_cache else None,
+    )
+
+
+def _tokenize_on_cluster(cfg: JobConfig) -> bool:
+    """Ray Data on the cluster's CPUs for a corpus of several files (one task per file);
+    one process here for a single file, and always under torchrun (no Ray there)."""
+    from trainer.runtime import is_torchrun_env
+
+    mode = cfg.data.tokenize_on
+    if mode == "driver" or is_torchrun_env():
+        return False
+    if mode == "cluster":
+        return True
+    import glob
+
+    specs = [cfg.data.train_file, cfg.data.eval_file or ""]
+    many = any(
+        s.startswith("s3://") or Path(s).is_dir() or len(glob.glob(s)) > 1 for s in specs if s
+    )
+    return many and bool(os.environ.get("RAY_ADDRESS"))
+
+
+def data_settings(cfg: JobConfig) -> Settings:
+    d = cfg.data
+    return Settings(
+        append_eos=d.append_eos,
+        on_bad_line=d.on_bad_line,
+        loss_on=d.loss_on,
+        chat_template=read_chat_template(d.chat_template),
+        long_rows=d.long_rows,
+        block_size=d.block_size,
+        endpoint=cfg.storage.endpoint_override,
+        region=cfg.storage.region,
     )
 
 

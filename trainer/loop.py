@@ -110,12 +110,14 @@ def evaluate(
         for ix in eval_indices(
             len(blocks), cfg.train.micro_batch_size, rt.world_size, rt.rank, cfg.train.eval_batches
         ):
-            x = torch.from_numpy(blocks.gather(ix)).to(device)
+            ids, labels = blocks.gather(ix)
+            x, y = torch.from_numpy(ids).to(device), torch.from_numpy(labels).to(device)
             with strategy.precision():
-                out = strategy.model(input_ids=x, labels=x)
-            n = x.numel() - x.shape[0]  # predictions per block: block_size - 1
-            loss_sum += float(out.loss) * n
-            count += n
+                out = strategy.model(input_ids=x, labels=y)
+            n = int((y[:, 1:] != -100).sum())  # the predictions the loss averaged over
+            if n:  # a batch of prompt tokens only has no loss (HF returns NaN for it)
+                loss_sum += float(out.loss) * n
+                count += n
     loss_sum, count = _all_reduce_sum([loss_sum, count], device, rt.world_size)
     loss = loss_sum / max(count, 1.0)
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
@@ -132,7 +134,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     n_params = count_params(strategy.model)
 
     for cache in (prep.train_cache, prep.eval_cache):
-        if cache and not (Path(cache) / "meta.json").exists():
+        if cache and not (Path(cache) / "manifest.json").exists():
             raise UserError(
                 f"tokenized data {cache} is not visible on worker node {socket.gethostname()}: "
                 "put the data on the shared FS (EFS), mounted at the same path on every node"
@@ -222,11 +224,12 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         t0 = time.perf_counter()
         micro = batches.micro_batches(step)
         loss_acc = torch.zeros((), device=device)
-        for m, arr in enumerate(micro):
-            x = torch.from_numpy(arr).to(device, non_blocking=True)
+        for m, (ids, labels) in enumerate(micro):
+            x = torch.from_numpy(ids).to(device, non_blocking=True)
+            y = torch.from_numpy(labels).to(device, non_blocking=True)
             with strategy.accumulating(m == len(micro) - 1):
                 with strategy.precision():
-                    loss = strategy.model(input_ids=x, labels=x).loss / len(micro)
+                    loss = strategy.model(input_ids=x, labels=y).loss / len(micro)
                 strategy.backward(loss)
             loss_acc += loss.detach()
         lr = scheduler.get_last_lr()[0]
@@ -372,7 +375,7 @@ def _write_probe(
 ) -> None:
     """Logits of the final in-memory model on a fixed input, written next to the
     checkpoints, so anyone can verify the export is the trained model. Collective."""
-    x = torch.from_numpy(blocks.gather(np.array([0]))[:, :16]).to(device)
+    x = torch.from_numpy(blocks.gather(np.array([0]))[0][:, :16]).to(device)
     with strategy.evaluating(), strategy.precision():
         logits = strategy.model(input_ids=x).logits.float().cpu()
     if rt.rank == 0:

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from trainer.config import JobConfig
-from trainer.documents import load_special_tokens
 from trainer.errors import DeviceError, UserError
+from trainer.sources import load_special_tokens
 
 log = logging.getLogger(__name__)
 

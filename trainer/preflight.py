@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.config import JobConfig
-from trainer.errors import ConfigError, DataError, UserError
+from trainer.errors import ConfigError, UserError
 
 SAMPLE_LINES = 1000
 
@@ -69,25 +69,19 @@ def check_model(cfg: JobConfig, strict: bool, report: Report) -> None:
 
 
 def check_data_file(path: str, what: str, strict: bool, on_bad_line: str, report: Report) -> None:
-    """Existence, and the first lines' shape, so a wrong file fails in a second. The whole
-    file is checked line by line when it is tokenized, still before workers start."""
-    from trainer.documents import ScanReport, iter_documents
+    """Existence, and the first rows' shape, so a wrong file fails in a second. Every row
+    of every file is checked when the data is tokenized, still before workers start."""
+    from trainer.sources import list_local, sample_check
 
-    if path.startswith("s3://"):
-        raise UserError(f"{what} {path}: data is read from a local or shared-FS path (e.g. EFS)")
-    p = _local_or_note(path, what, strict, report)
-    if p is None:
-        return
-    if not p.is_file():
-        raise UserError(f"{what} {path}: not a file")
-    scan = ScanReport()
-    seen = 0
-    for _ in iter_documents(p, on_bad_line, scan):
-        seen += 1
-        if seen >= SAMPLE_LINES:
-            break
-    if seen == 0 and scan.skipped == 0:
-        raise DataError(f"{what} {path}: the file has no documents")
+    if not strict and not path.startswith("s3://"):
+        try:
+            list_local(path)
+        except UserError:
+            report.notes.append(f"{what} {path}: not on this machine; checked on the cluster")
+            return
+    note = sample_check(path, what, on_bad_line, SAMPLE_LINES)
+    if note:
+        report.notes.append(note)
 
 
 def check_storage(cfg: JobConfig, report: Report) -> None:
@@ -112,7 +106,7 @@ def run_all(cfg: JobConfig, strict: bool = True) -> Report:
     if cfg.model.tokenizer and not cfg.model.tokenizer.startswith("s3://"):
         _local_or_note(cfg.model.tokenizer, "model.tokenizer", strict, report)
     if cfg.model.special_tokens:
-        from trainer.documents import load_special_tokens
+        from trainer.sources import load_special_tokens
 
         if _local_or_note(cfg.model.special_tokens, "model.special_tokens", strict, report):
             load_special_tokens(cfg.model.special_tokens)

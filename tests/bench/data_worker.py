@@ -1,9 +1,14 @@
 """One data-pipeline run in a fresh process (for a clean peak RSS):
-data_worker.py raylift|hf MODEL CORPUS BLOCK WORKDIR OUT.json"""
+data_worker.py raylift|hf|hf2|reads|ray1|ray2 MODEL CORPUS BLOCK WORKDIR OUT.json
+
+reads: read every block of one epoch, in training order, from the cache `raylift` built
+in WORKDIR. rayN: tokenize CORPUS (a folder of files) with Ray Data on a local cluster of
+N one-CPU nodes (the cluster's start is not timed)."""
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -21,6 +26,54 @@ def raylift(model: str, corpus: str, block: int, workdir: str) -> int:
     tok = load_tokenizer(Path(model), None)
     cache = prepare(corpus, tok, cache_root=f"{workdir}/raylift-cache", progress=False)
     return len(PackedBlocks(cache, block)) * block
+
+
+def reads(model: str, corpus: str, block: int, workdir: str) -> int:
+    from trainer.data import BatchPlan, PackedBlocks, StepBatches, prepare
+    from trainer.model import load_tokenizer
+
+    tok = load_tokenizer(Path(model), None)
+    cache = prepare(corpus, tok, cache_root=f"{workdir}/raylift-cache", progress=False)
+    blocks = PackedBlocks(cache, block)
+    plan = BatchPlan(len(blocks), micro_batch_size=8, grad_accum=1, world_size=1, seed=0)
+    batches = StepBatches(blocks, plan, 0)
+    total = 0
+    for step in range(plan.steps_per_epoch):
+        for ids, _labels in batches.micro_batches(step):
+            total += ids.size
+    return total
+
+
+def on_ray(model: str, corpus: str, block: int, workdir: str, nodes: int) -> tuple[int, float]:
+    import ray
+
+    from tools.localcluster import LocalCluster
+    from trainer.data import PackedBlocks, prepare
+    from trainer.distdata import tokenize_on_cluster
+    from trainer.model import load_tokenizer
+
+    tok = load_tokenizer(Path(model), None)
+    # The cluster's processes import this checkout's trainer (Ray Data pickles the task
+    # function by reference).
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.getenv("PYTHONPATH")]))
+    with LocalCluster(num_cpus=0) as cluster:
+        for _ in range(nodes):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_nodes(nodes + 1)
+        ray.init(address=cluster.address, log_to_driver=False)
+        try:
+            t0 = time.perf_counter()
+            cache = prepare(
+                corpus,
+                tok,
+                cache_root=f"{workdir}/raylift-cache",
+                progress=False,
+                tokenize_shards=tokenize_on_cluster,
+            )
+            seconds = time.perf_counter() - t0
+        finally:
+            ray.shutdown()
+    return len(PackedBlocks(cache, block)) * block, seconds
 
 
 def hf(model: str, corpus: str, block: int, workdir: str, num_proc: int | None) -> int:
@@ -57,11 +110,16 @@ def hf(model: str, corpus: str, block: int, workdir: str, num_proc: int | None) 
 def main() -> None:
     kind, model, corpus, block, workdir, out = sys.argv[1:7]
     t0 = time.perf_counter()
+    seconds = None
     if kind == "raylift":
         tokens = raylift(model, corpus, int(block), workdir)
+    elif kind == "reads":
+        tokens = reads(model, corpus, int(block), workdir)
+    elif kind.startswith("ray"):
+        tokens, seconds = on_ray(model, corpus, int(block), workdir, int(kind[3:]))
     else:  # "hf" is run_clm's default (one process), "hf2" uses both cores
         tokens = hf(model, corpus, int(block), workdir, 2 if kind == "hf2" else None)
-    seconds = time.perf_counter() - t0
+    seconds = seconds or time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     Path(out).write_text(

@@ -2,8 +2,11 @@
 cluster in the test process), with nodes as the test describes them. Prints one JSON line
 {"url", "token"} when ready; stops the cluster when its stdin closes.
 
-    python -m tests.integration.cluster_proc '[{"num_cpus": 1, "env": {"K": "V"}}, ...]'
-"""
+    python -m tests.integration.cluster_proc '[{"num_cpus": 1, "env": {"K": "V"}}, ...]' \
+        ['{"token": "...", "dashboard_port": 8265}']
+
+The optional second argument brings a cluster back at the same address with the same
+token (a replaced head)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,12 @@ from tools.localcluster import LocalCluster
 
 def main() -> None:
     nodes = json.loads(sys.argv[1])
-    cluster = LocalCluster(num_cpus=0)
+    options = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    cluster = LocalCluster(
+        num_cpus=0,
+        token=options.get("token"),
+        dashboard_port=int(options.get("dashboard_port", 0)),
+    )
     cluster.start()
     try:
         for node in nodes:

@@ -374,31 +374,49 @@ def test_spot_notice_checkpoints_at_once_and_loses_no_step(ray_cluster, tiny, tm
 def test_head_loss_resubmit_resumes_from_storage_and_leaves_a_finished_run_alone(
     tiny, tmp_path, reference, capsys
 ):
-    """The whole cluster (head, driver and all) dies mid-run. `submit.py run --resubmit`
-    waits for a cluster at the same address, resubmits the run name and the run finishes
-    from storage with the reference weights; a second --resubmit of the finished run
-    submits nothing."""
+    """The whole cluster (head, driver and all) goes away mid-run. `submit.py run
+    --resubmit` waits for a cluster at the same address, resubmits the run name and the
+    run finishes from storage with the reference weights; a second --resubmit of the
+    finished run submits nothing. (The cluster runs in a process of its own: Ray keeps one
+    token per process, and the session's cluster lives in this one.)"""
     import secrets
 
-    from tools.localcluster import LocalCluster, free_port
+    from tools.localcluster import free_port
 
     saved = os.environ.get("RAY_AUTH_TOKEN")
     token, port = secrets.token_hex(32), free_port()
+    url = f"http://127.0.0.1:{port}"
     path = fault_job(tiny, tmp_path, "headloss")
-    argv = ["run", str(path), "--resubmit", "--no-progress"]
+    argv = ["run", str(path), "--resubmit", "--no-progress", "--address", url]
+    nodes = [{"num_cpus": 1, "labels": {"large_cpu_mem": "true"}}, {"num_cpus": 1}]
 
-    def cluster() -> LocalCluster:
-        c = LocalCluster(num_cpus=0, token=token, dashboard_port=port).start()
-        c.add_node(num_cpus=1, labels={"large_cpu_mem": "true"})
-        c.add_node(num_cpus=1, labels={"pool": "cpu"})
-        c.wait_nodes(3)
-        return c
+    def cluster() -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.integration.cluster_proc",
+                json.dumps(nodes),
+                json.dumps({"token": token, "dashboard_port": port}),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        ready = proc.stdout.readline()
+        assert ready and json.loads(ready)["url"] == url, ready
+        return proc
+
+    def stop(proc: subprocess.Popen) -> None:
+        proc.stdin.close()  # the cluster stops: head, job driver and workers
+        proc.wait(timeout=120)
 
     first = cluster()
     second = None
     try:
         os.environ["RAY_AUTH_TOKEN"] = token
-        cfg, client, job_id = launch(first, path)
+        cfg = submit.absolutize(load_config(path, []), Path.cwd())
+        client, job_id = submit.submit(cfg, url)
         run = resolve(cfg.storage.path).join(cfg.run.name)
 
         def checkpointed() -> bool:
@@ -406,25 +424,18 @@ def test_head_loss_resubmit_resumes_from_storage_and_leaves_a_finished_run_alone
             return newest is not None and ckpt_mod.step_of(newest) >= 2 * EVERY
 
         _wait(checkpointed, "a checkpoint at step 50", client, job_id)
-        first.stop()  # head, driver, workers: all gone
+        stop(first)
 
-        os.environ["RAY_AUTH_TOKEN"] = token
         result: dict[str, int] = {}
-        waiter = threading.Thread(
-            target=lambda: result.update(
-                rc=submit.main([*argv, "--address", f"http://127.0.0.1:{port}"])
-            ),
-            daemon=True,
-        )
+        waiter = threading.Thread(target=lambda: result.update(rc=submit.main(argv)), daemon=True)
         waiter.start()  # it waits for the cluster to come back
-        time.sleep(3)
-        assert waiter.is_alive(), capsys.readouterr()
+        time.sleep(5)
+        assert waiter.is_alive()
         second = cluster()
-        os.environ["RAY_AUTH_TOKEN"] = token
         waiter.join(timeout=600)
         out = capsys.readouterr()
         assert result.get("rc") == 0, out.out[-3000:] + out.err[-3000:]
-        assert "waiting for the Ray cluster" in out.err
+        assert f"waiting for the Ray cluster at {url}" in out.err
 
         records, steps, _ = history(cfg)
         resumes = [r for r in records if r.get("event") == "resume"]
@@ -432,15 +443,15 @@ def test_head_loss_resubmit_resumes_from_storage_and_leaves_a_finished_run_alone
         assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
         _same_weights(load_file(str(Path(run.path) / FINAL)), reference["weights"], atol=1e-5)
 
-        jobs_before = len(submit.client_for(second.dashboard_url, token).list_jobs())
-        rc = submit.main([*argv, "--address", second.dashboard_url])
+        jobs_before = len(submit.client_for(url, token).list_jobs())
+        rc = submit.main(argv)
         out = capsys.readouterr()
-        assert rc == 0 and "already finished" in out.out + out.err, out
-        assert len(submit.client_for(second.dashboard_url, token).list_jobs()) == jobs_before
+        assert rc == 0 and "headloss already finished (step 150)" in out.out, out
+        assert len(submit.client_for(url, token).list_jobs()) == jobs_before
     finally:
-        for c in (second, first):
-            if c is not None and c._cluster is not None:
-                c.stop()
+        for proc in (second, first):
+            if proc is not None and proc.poll() is None:
+                stop(proc)
         if saved is None:
             os.environ.pop("RAY_AUTH_TOKEN", None)
         else:

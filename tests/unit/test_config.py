@@ -106,6 +106,8 @@ def test_contradicting_grad_accum(tmp_path):
         (["storage.endpoint_override=http://127.0.0.1:9"], "endpoint_override is only"),
         (["optim.lr=-1"], "optim.lr"),
         (["data.block_size=1"], "data.block_size"),
+        (["data.train_file=s3://b/corpus/"], "data.cache_dir: required for s3:// data"),
+        (["data.loss_on=prompt"], "data.loss_on"),
     ],
 )
 def test_impossible_combinations(tmp_path, overrides, needle):
@@ -150,3 +152,15 @@ def test_strategy_sections_are_typed(tmp_path):
     assert cfg.model.adapter == "qlora" and cfg.model.lora.target_modules[0] == "q_proj"
     again = load_config(write(tmp_path, cfg.to_yaml()))
     assert again == cfg
+
+
+def test_s3_data_takes_the_storage_endpoint(tmp_path):
+    cfg = load_config(
+        write(tmp_path, GOOD),
+        [
+            "data.train_file=s3://b/corpus/*.jsonl.gz",
+            "data.cache_dir=/mnt/efs/cache",
+            "storage.endpoint_override=http://127.0.0.1:9",
+        ],
+    )
+    assert cfg.data.loss_on == "completion" and cfg.data.long_rows == "split"

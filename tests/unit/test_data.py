@@ -7,10 +7,16 @@ import json
 import numpy as np
 import pytest
 
-from trainer.data import BatchPlan, PackedBlocks, eval_indices, prepare
-from trainer.documents import ScanReport, iter_documents, load_special_tokens
+from trainer.data import (
+    BatchPlan,
+    PackedBlocks,
+    eval_indices,
+    load_special_tokens,
+    prepare,
+)
 from trainer.errors import DataError
 from trainer.model import load_tokenizer
+from trainer.sources import ScanReport, iter_examples, list_sources
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +59,14 @@ def test_malformed_line_error_and_skip(tmp_path, tokenizer):
     meta = cache.meta
     assert (meta["documents"], meta["skipped_lines"]) == (2, 2)
     assert meta["first_skipped"][0].startswith(f"{data}:2:")
-    assert meta["first_skipped"][1].startswith(f"{data}:3: expected an object")
+    assert meta["first_skipped"][1].startswith(f"{data}:3: expected an object with a string")
 
 
-def test_iter_documents_counts(tmp_path):
+def test_iter_examples_counts(tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": "a"}, "[1, 2]", {"input": "b"}])
     report = ScanReport()
-    assert list(iter_documents(data, "skip", report)) == ["a", "b"]
+    (src,) = list_sources(str(data))
+    assert [e.text for e in iter_examples(src, "skip", report)] == ["a", "b"]
     assert (report.documents, report.skipped) == (2, 1)
 
 
@@ -67,21 +74,21 @@ def test_cache_is_reused_and_invalidated(tmp_path, tokenizer, monkeypatch):
     import trainer.data as data_mod
 
     encoded = []
-    real_encode = data_mod._encode_into
+    real_encode = data_mod.Encoder.encode
 
-    def counting(backend, batch, *args):
+    def counting(self, batch):
         encoded.append(len(batch))
-        return real_encode(backend, batch, *args)
+        return real_encode(self, batch)
 
-    monkeypatch.setattr(data_mod, "_encode_into", counting)
+    monkeypatch.setattr(data_mod.Encoder, "encode", counting)
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": "Ana has 3 pens."}] * 10)
     first = prepare(data, tokenizer, progress=False)
     assert sum(encoded) == 10
-    stamp = (first.dir / "tokens.bin").stat().st_mtime_ns
+    stamp = (first.dir / "shard-00000.bin").stat().st_mtime_ns
     again = prepare(data, tokenizer, progress=False)
     # Reused: same folder, the tokenizer was not called again, the file was not rewritten.
     assert again.dir == first.dir and sum(encoded) == 10
-    assert (again.dir / "tokens.bin").stat().st_mtime_ns == stamp
+    assert (again.dir / "shard-00000.bin").stat().st_mtime_ns == stamp
     write_jsonl(data, [{"text": "Ben has 4 books."}] * 11)
     second = prepare(data, tokenizer, progress=False)
     assert second.dir != first.dir and second.meta["documents"] == 11
@@ -97,10 +104,11 @@ def test_packed_blocks(tmp_path, tokenizer):
     cache = prepare(data, tokenizer, progress=False)
     blocks = PackedBlocks(cache, 16)
     assert len(blocks) == cache.meta["num_tokens"] // 16
-    got = blocks.gather(np.array([2, 0]))
+    got, labels = blocks.gather(np.array([2, 0]))
     flat = np.asarray(cache.tokens())
     assert got.dtype == np.int64 and got.shape == (2, 16)
     assert (got[0] == flat[32:48]).all() and (got[1] == flat[:16]).all()
+    assert (labels == got).all()  # text rows: every token is in the loss
 
 
 def test_plan_shards_are_disjoint_and_cover_the_epoch():

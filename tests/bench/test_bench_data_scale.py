@@ -1,0 +1,115 @@
+"""Data at scale: Ray Data tokenizing on two local one-CPU nodes against one (target
+≥ 1.6×), and peak RSS of tokenizing and of training reads on two corpus sizes 4× apart
+(target: the larger within 10% of the smaller). The throughput of one process against
+Hugging Face `datasets` is test_bench_data.py's.
+
+Each figure comes from its own process (tests/bench/data_worker.py), so peak RSS is that
+process's own high-water mark. The Ray runs start a fresh local cluster each (not timed).
+
+Sizes: RAYLIFT_BENCH_SCALE_MB (the larger corpus, split over 8 files),
+RAYLIFT_BENCH_REPEATS (rounds).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.bench.benchutil import Check, env_int, run_benchmark
+from tests.bench.test_bench_data import make_corpus
+from tools.tiny import build_all
+
+CORPUS_MB = env_int("RAYLIFT_BENCH_SCALE_MB", 80, minimum=8)
+FILES = 8
+BLOCK = 1024
+HERE = Path(__file__).resolve().parent
+
+
+def sharded_corpus(folder: Path, megabytes: int, seed: int) -> Path:
+    folder.mkdir(parents=True)
+    for i in range(FILES):
+        make_corpus(folder / f"part-{i:03d}.jsonl", max(megabytes // FILES, 1), seed=seed * 100 + i)
+    return folder
+
+
+def worker(kind: str, model: Path, corpus: Path, workdir: Path) -> dict[str, float]:
+    out = workdir / f"{kind}.json"
+    args = [kind, str(model), str(corpus), str(BLOCK), str(workdir), str(out)]
+    res = subprocess.run(
+        [sys.executable, str(HERE / "data_worker.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _ratio(a: str, b: str, key: str):
+    return lambda r: r[a][key] / r[b][key]
+
+
+def test_data_at_scale(tmp_path):
+    model = build_all(tmp_path / "assets", rows=200)["model"]
+    big = sharded_corpus(tmp_path / "big", CORPUS_MB, seed=1)
+    small = sharded_corpus(tmp_path / "small", CORPUS_MB // 4, seed=2)
+
+    def tokenize_then_read(corpus: Path, i: int) -> dict[str, float]:
+        workdir = tmp_path / f"work-{corpus.name}-{i}"
+        workdir.mkdir()
+        try:
+            tok = worker("raylift", model, corpus, workdir)
+            reads = worker("reads", model, corpus, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return {
+            "tokens_per_s": tok["tokens_per_s"],
+            "tokenize_peak_rss_mb": tok["peak_rss_mb"],
+            "reads_peak_rss_mb": reads["peak_rss_mb"],
+            "reads_tokens_per_s": reads["tokens_per_s"],
+        }
+
+    def on_ray(nodes: int):
+        def run(i: int) -> dict[str, float]:
+            workdir = tmp_path / f"ray{nodes}-{i}"
+            workdir.mkdir()
+            try:
+                return worker(f"ray{nodes}", model, big, workdir)
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+
+        return run
+
+    run_benchmark(
+        "data_scale",
+        title=f"Ray Data on 2 vs 1 one-CPU nodes ({CORPUS_MB} MB in {FILES} files); peak RSS",
+        commands={
+            "ray_1_node": on_ray(1),
+            "ray_2_nodes": on_ray(2),
+            "corpus_full": lambda i: tokenize_then_read(big, i),
+            "corpus_quarter": lambda i: tokenize_then_read(small, i),
+        },
+        checks=[
+            Check("ray_2_vs_1_node", _ratio("ray_2_nodes", "ray_1_node", "tokens_per_s"), 1.6),
+            Check(
+                "tokenize_rss_4x_corpus",
+                _ratio("corpus_full", "corpus_quarter", "tokenize_peak_rss_mb"),
+                1.10,
+                higher_is_better=False,
+                unit="×",
+            ),
+            Check(
+                "reads_rss_4x_corpus",
+                _ratio("corpus_full", "corpus_quarter", "reads_peak_rss_mb"),
+                1.10,
+                higher_is_better=False,
+                unit="×",
+            ),
+        ],
+        metric="tokens_per_s",
+        unit="tokens/s",
+        setup={"corpus_mb": CORPUS_MB, "files": FILES, "block_size": BLOCK},
+    )

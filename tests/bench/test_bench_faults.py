@@ -1,0 +1,159 @@
+"""What faults cost, on a local three-node Ray cluster (head + two 1-CPU workers):
+
+- recovery: a training worker is SIGKILLed right after step K; figures are the seconds
+  from the kill to the first step of the restarted attempt, and the steps lost (trained
+  past the checkpoint the restart resumed from). Targets: < 20 s, lost ≤ one interval.
+- checkpoint stall: the extra wall time a checkpoint step costs over a plain step (from
+  the per-step records' timestamps), with `checkpoint.upload: sync` and `async`, storage
+  on the S3 server. Target: the async stall < 10% of the sync stall.
+
+Sizes: RAYLIFT_BENCH_HIDDEN / RAYLIFT_BENCH_LAYERS (the stall model), rounds:
+RAYLIFT_BENCH_REPEATS."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+import signal
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.bench.benchutil import Check, env_int, run_benchmark
+from tests.conftest import S3_KEY, S3_SECRET, WeedServer, base_job
+from tests.integration.test_ray_train import _train_workers, history, launch, run_to_end
+from tools import submit
+from tools.localcluster import LocalCluster
+from tools.tiny import build_all
+from trainer import journal
+from trainer.metrics import read_records
+from trainer.storage import resolve
+
+EVERY = 25
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = LocalCluster(num_cpus=0)
+    c.start()
+    try:
+        c.add_node(num_cpus=1, labels={"large_cpu_mem": "true"})
+        c.add_node(num_cpus=1, labels={"pool": "cpu"})
+        c.wait_nodes(3)
+        os.environ["RAY_AUTH_TOKEN"] = c.token
+        yield c
+    finally:
+        os.environ.pop("RAY_AUTH_TOKEN", None)
+        c.stop()
+
+
+def _job(tiny: dict[str, Path], root: Path, name: str, **sections: dict[str, Any]) -> Path:
+    data = copy.deepcopy(base_job(tiny, root / "runs", name))
+    data["train"].update({"max_steps": 200, "eval_every": None})
+    data["checkpoint"].update({"every_steps": EVERY, "keep_last": 2})
+    data["run"]["max_failures"] = 3
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_recovery_after_a_worker_kill(cluster, tmp_path):
+    tiny = build_all(tmp_path / "tiny", rows=2000, eval_rows=50)
+
+    def once(i: int) -> dict[str, float]:
+        cfg, client, job_id = launch(cluster, _job(tiny, tmp_path, f"rec{i}"))
+        run_dir = Path(cfg.storage.path) / cfg.run.name
+        metrics = resolve(str(run_dir)).join("metrics.jsonl")
+        started = time.time()
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if any(r.get("step", 0) >= 2 * EVERY + 5 for r in read_records(metrics)):
+                break
+            time.sleep(0.02)
+        victims = _train_workers(cluster, started)
+        os.kill(victims[-1].pid, signal.SIGKILL)
+        killed = time.time()
+        status, _ = submit.follow(client, job_id, progress=False)
+        assert status == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]
+        records = read_records(metrics)
+        first_new = min(r["time"] for r in records if r.get("attempt") == 2 and "loss" in r)
+        attempts = [r for r in journal.read(resolve(str(run_dir))) if r["event"] == "attempt"]
+        return {"seconds": first_new - killed, "lost_steps": float(attempts[-1]["lost_steps"])}
+
+    run_benchmark(
+        "recovery",
+        title="Worker SIGKILL: seconds to the first new step, and steps lost",
+        commands={"worker_kill": once},
+        checks=[
+            Check("recovery_s", lambda r: r["worker_kill"]["seconds"], 20, False, "s"),
+            Check("lost_steps", lambda r: r["worker_kill"]["lost_steps"], EVERY, False),
+        ],
+        metric="seconds",
+        unit="s",
+        setup={"checkpoint_every": EVERY, "nodes": "head + 2 × 1 CPU"},
+    )
+
+
+def _stall(records: list[dict[str, Any]]) -> float:
+    """Mean extra seconds of the steps that checkpointed over the median plain step."""
+    steps = [r for r in records if r.get("event") == "train"]
+    gaps = {b["step"]: b["time"] - a["time"] for a, b in itertools.pairwise(steps)}
+    # The gap after step N holds N's checkpoint (saved after N was logged).
+    ck = [gaps[s + 1] for s in gaps if s % EVERY == 0 and s + 1 in gaps]
+    plain = [g for s, g in gaps.items() if (s - 1) % EVERY != 0]
+    return statistics.mean(ck) - statistics.median(plain)
+
+
+def test_checkpoint_stall_async_vs_sync(cluster, tmp_path):
+    hidden = env_int("RAYLIFT_BENCH_HIDDEN", 512)
+    layers = env_int("RAYLIFT_BENCH_LAYERS", 6)
+    tiny = build_all(tmp_path / "model", rows=3000, eval_rows=50, hidden=hidden, layers=layers)
+    (tmp_path / "weed").mkdir()
+    server = WeedServer(tmp_path / "weed")
+    os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = S3_KEY, S3_SECRET
+    server.start()
+    storage = {"path": "s3://ckpt/stall", "endpoint_override": server.endpoint}
+    try:
+
+        def mode(upload: str):
+            def once(i: int) -> dict[str, float]:
+                path = _job(
+                    tiny,
+                    tmp_path,
+                    f"stall-{upload}-{i}",
+                    train={"max_steps": 4 * EVERY + 5, "eval_every": None},
+                    checkpoint={"every_steps": EVERY, "upload": upload},
+                    storage=storage,
+                )
+                cfg, _, _ = run_to_end(cluster, path)
+                return {"stall_s": _stall(history(cfg)[0])}
+
+            return once
+
+        run_benchmark(
+            "checkpoint_stall",
+            title=f"Training stall per checkpoint (S3 storage, hidden {hidden} × {layers})",
+            commands={"sync": mode("sync"), "async": mode("async")},
+            checks=[
+                Check(
+                    "async_over_sync",
+                    lambda r: max(r["async"]["stall_s"], 0.0) / max(r["sync"]["stall_s"], 1e-9),
+                    0.10,
+                    False,
+                ),
+                Check("sync_stall_s", lambda r: r["sync"]["stall_s"], unit="s"),
+                Check("async_stall_s", lambda r: r["async"]["stall_s"], unit="s"),
+            ],
+            metric="stall_s",
+            unit="s",
+            setup={"hidden": hidden, "layers": layers, "every": EVERY},
+        )
+    finally:
+        server.stop()
