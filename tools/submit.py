@@ -107,7 +107,8 @@ def job_env(cfg: JobConfig, names: list[str] | None = None) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
     if os.environ.get("RAYLIFT_DEBUG"):
         env["RAYLIFT_DEBUG"] = os.environ["RAYLIFT_DEBUG"]
-    if cfg.storage.is_s3 and cfg.storage.endpoint_override:
+    s3_paths = (cfg.storage.path, cfg.data.train_file, cfg.data.eval_file, cfg.model.path)
+    if cfg.storage.endpoint_override and any(str(x).startswith("s3://") for x in s3_paths):
         env.update({k: os.environ[k] for k in STORAGE_CREDENTIALS if k in os.environ})
     for item in names or []:
         key, eq, value = item.partition("=")

@@ -3,9 +3,9 @@ exactly the agent's own node, for preemption, with the notice's deadline less th
 once the node's work has left, the agent completes infra's drain hook (a fake Auto Scaling
 API on 127.0.0.1), and the GCS records the drain's reason when the node goes.
 
-The cluster is this module's own (a head with no CPUs and 1-CPU worker nodes whose cloud
-instance ids are the fake instances', as the image's entrypoint sets them): a drain cannot be
-undone, so the session's shared cluster must never be drained. (That Ray Train reports such
+The agent's nodes are added to the session's cluster for this module (1-CPU nodes whose
+cloud instance ids are the fake instances', as the image's entrypoint sets them); a drain
+cannot be undone, so only those nodes are ever drained. (That Ray Train reports such
 a drain through `ray.train.get_preemption_info()` is measured by tests/bench, with latency.)
 """
 
@@ -48,22 +48,19 @@ def wait_for(what: str, check: Callable[[], object], timeout: float = 60) -> obj
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    from tools.localcluster import LocalCluster
-
-    c = LocalCluster(num_cpus=0)
-    c.start()
+def cluster(ray_cluster):
+    """The session's cluster plus one node for the agent, with the fake instance's cloud
+    instance id (as the image's entrypoint sets it) and a resource of its own that only
+    this module's work asks for. (A second cluster cannot start in this process: Ray keeps
+    one auth token per process.) A drained idle node shuts itself down; the nodes the
+    training tests use carry labels this one does not."""
+    # The raylet takes its cloud instance id from the environment it starts in.
+    os.environ["RAY_CLOUD_INSTANCE_ID"] = INSTANCE_ID
     try:
-        # The raylet takes its cloud instance id from the environment it starts in.
-        os.environ["RAY_CLOUD_INSTANCE_ID"] = INSTANCE_ID
-        try:
-            worker = c.add_node(num_cpus=1)
-        finally:
-            os.environ.pop("RAY_CLOUD_INSTANCE_ID")
-        c.wait_nodes(2)
-        yield c, worker
+        worker = ray_cluster.add_node(num_cpus=1, resources={"agent_test": 1})
     finally:
-        c.stop()
+        os.environ.pop("RAY_CLOUD_INSTANCE_ID")
+    yield ray_cluster, worker
 
 
 def gcs(c):
@@ -78,7 +75,7 @@ def gcs(c):
 HOLDER = r"""
 import sys, ray
 ray.init(address=sys.argv[1], logging_level="WARNING", log_to_driver=False)
-@ray.remote(num_cpus=1)
+@ray.remote(num_cpus=1, resources={"agent_test": 1})
 class Busy:
     def node(self):
         return ray.get_runtime_context().get_node_id()
@@ -209,7 +206,7 @@ def test_auto_scaling_termination_drains_and_completes_the_drain_hook(cluster, t
     instance_id = "i-0agent0test00002"
     os.environ["RAY_CLOUD_INSTANCE_ID"] = instance_id
     try:
-        node = c.add_node(num_cpus=1)
+        node = c.add_node(num_cpus=1, resources={"agent_test": 1})
     finally:
         os.environ.pop("RAY_CLOUD_INSTANCE_ID")
     agent_log = tmp_path / "agent.log"
