@@ -396,9 +396,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from ray.exceptions import AuthenticationError
 
+    # force: main() may run many times in one process (tests, notebooks); each call logs
+    # to the stderr of its own time, never to a stream an earlier caller has closed.
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
+        force=True,
     )
     where = args.address or "the cluster"
     with contextlib.ExitStack() as stack:
