@@ -192,8 +192,9 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         ckpt_mod.discard_torn_after(rt.run, start)
     rt.barrier()
 
-    metrics_file = _open_metrics(cfg, rt, start, resume_dir)
-    _journal_attempt(rt, metrics_file, start)
+    metrics_file, history = _open_metrics(cfg, rt, start, resume_dir)
+    if metrics_file is not None:
+        _journal_attempt(rt, metrics_file.attempt, history, start)
     end = steps if cfg.train.stop_at_step is None else min(steps, cfg.train.stop_at_step)
     if rt.rank == 0:
         log.info(
@@ -385,18 +386,13 @@ def _write_probe(
             f.write(body.encode())
 
 
-def _journal_attempt(rt: Runtime, metrics_file: MetricsFile | None, start: int) -> None:
+def _journal_attempt(rt: Runtime, attempt: int, history: list[dict[str, Any]], start: int) -> None:
     """The attempt's first journal record: where it resumed, and what the restart cost
-    (steps trained past that checkpoint, and the wall time since the last step)."""
+    (steps trained past that checkpoint, and the wall time since the last step).
+    `history` is the metrics file as earlier attempts left it."""
     if rt.journal is None:
         return
-    previous = [
-        r
-        for r in read_records(rt.run.join("metrics.jsonl"))
-        if r.get("event") == "train"
-        and metrics_file is not None
-        and r.get("attempt", 0) < metrics_file.attempt
-    ]
+    previous = [r for r in history if r.get("event") == "train"]
     last_step = max((int(r["step"]) for r in previous), default=start)
     last_time = max((float(r["time"]) for r in previous), default=None)
     trained = [r for r in journal_mod.read(rt.run) if r["source"].startswith("attempt-")]
@@ -407,7 +403,7 @@ def _journal_attempt(rt: Runtime, metrics_file: MetricsFile | None, start: int) 
     rt.journal.add(
         "attempt",
         after=after,
-        attempt=metrics_file.attempt if metrics_file is not None else 1,
+        attempt=attempt,
         world_size=rt.world_size,
         from_step=start,
         lost_steps=max(0, last_step - start),
@@ -417,12 +413,13 @@ def _journal_attempt(rt: Runtime, metrics_file: MetricsFile | None, start: int) 
 
 def _open_metrics(
     cfg: JobConfig, rt: Runtime, start: int, resume_dir: Path | None
-) -> MetricsFile | None:
+) -> tuple[MetricsFile | None, list[dict[str, Any]]]:
+    """Rank 0's metrics file for this attempt, and the records earlier attempts wrote."""
     if rt.rank != 0 or cfg.train.as_test:
-        return None  # a smoke test leaves no history that a real run would inherit
+        return None, []  # a smoke test leaves no history that a real run would inherit
     loc = rt.run.join("metrics.jsonl")
     previous = read_records(loc)
-    mf = MetricsFile(loc)
+    mf = MetricsFile(loc, previous)
     mf.attempt = 1 + max((int(r.get("attempt", 0)) for r in previous), default=0)
     if previous:
         mf.write(
@@ -434,7 +431,7 @@ def _open_metrics(
             }
         )
         mf.flush()
-    return mf
+    return mf, previous
 
 
 # ------------------------------------------------------------------ entry points

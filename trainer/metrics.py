@@ -31,14 +31,15 @@ def mfu(num_params: int, tokens_per_s_per_device: float, peak: float | None) -> 
 class MetricsFile:
     """Append-only JSONL history on local/shared FS or S3 (S3 is rewritten on flush)."""
 
-    def __init__(self, loc: Location):
+    def __init__(self, loc: Location, existing: list[dict[str, Any]] | None = None):
+        """`existing`: the file's records if the caller has just read them."""
         self.loc = loc
         self.attempt = 1  # which (re)start of the run is writing; set by the loop
         self._records: list[dict[str, Any]] = []
         self._dirty = False
         self._appendable = isinstance(loc.fs, pafs.LocalFileSystem)
         if not self._appendable:
-            self._records = read_records(loc)
+            self._records = list(existing) if existing is not None else read_records(loc)
 
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps(record, sort_keys=True)

@@ -155,6 +155,22 @@ def is_transient(exc: BaseException) -> bool:
     return not any(p in text for p in _PERMANENT)
 
 
+def transient_retries(
+    retry_s: float, max_wait_s: float, before_sleep: Callable[[Any], None], reraise: bool
+) -> Any:
+    """Retry transient storage errors (`is_transient`) with exponential backoff from 0.5 s
+    up to `max_wait_s` between tries, for `retry_s` seconds in all."""
+    from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
+
+    return Retrying(
+        stop=stop_after_delay(retry_s),
+        wait=wait_exponential(multiplier=0.5, max=max_wait_s),
+        retry=retry_if_exception(is_transient),
+        before_sleep=before_sleep,
+        reraise=reraise,
+    )
+
+
 class _BufferedWrite(io.RawIOBase):
     """An output stream that writes its object in one go when closed, retrying transient
     errors: a storage blip between open and close is then retried too."""
@@ -207,8 +223,6 @@ class RetryingHandler(pafs.FileSystemHandler):
         return (RetryingHandler, (self.fs, self.retry_s))
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
-
         def note(state: Any) -> None:
             log.warning(
                 "storage call %s failed (try %d): %s; retrying",
@@ -217,13 +231,7 @@ class RetryingHandler(pafs.FileSystemHandler):
                 _short(state.outcome.exception()),
             )
 
-        for attempt in Retrying(
-            stop=stop_after_delay(self.retry_s),
-            wait=wait_exponential(multiplier=0.5, max=10),
-            retry=retry_if_exception(is_transient),
-            before_sleep=note,
-            reraise=True,
-        ):
+        for attempt in transient_retries(self.retry_s, 10, note, reraise=True):
             with attempt:
                 return fn(*args)
         raise AssertionError("unreachable")
@@ -292,13 +300,7 @@ def upload_checkpoint(
     exponential backoff for up to `retry_s` seconds, re-copying the whole folder (an object
     store has no partial objects, a file system's partial file has the wrong size, and a
     manifest lists sizes). Returns the number of attempts it took."""
-    from tenacity import (
-        RetryError,
-        Retrying,
-        retry_if_exception,
-        stop_after_delay,
-        wait_exponential,
-    )
+    from tenacity import RetryError
 
     files = sorted(p for p in src.rglob("*") if p.is_file())
     ordered = [p for p in files if p.relative_to(src).parts[0] != "done"] + [
@@ -342,13 +344,7 @@ def upload_checkpoint(
         if on_retry is not None:
             on_retry(state.attempt_number, exc)
 
-    retrying = Retrying(
-        stop=stop_after_delay(retry_s),
-        wait=wait_exponential(multiplier=0.5, max=15),
-        retry=retry_if_exception(is_transient),
-        before_sleep=note,
-        reraise=False,
-    )
+    retrying = transient_retries(retry_s, 15, note, reraise=False)
     try:
         for attempt in retrying:
             with attempt:
