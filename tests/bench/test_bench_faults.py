@@ -21,35 +21,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from tests.bench.benchutil import Check, env_int, run_benchmark
 from tests.conftest import S3_KEY, S3_SECRET, WeedServer, base_job
 from tests.integration.test_ray_train import _train_workers, history, launch, run_to_end
 from tools import submit
-from tools.localcluster import LocalCluster
 from tools.tiny import build_all
 from trainer import journal
 from trainer.metrics import read_records
 from trainer.storage import resolve
 
 EVERY = 25
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = LocalCluster(num_cpus=0)
-    c.start()
-    try:
-        c.add_node(num_cpus=1, labels={"large_cpu_mem": "true"})
-        c.add_node(num_cpus=1, labels={"pool": "cpu"})
-        c.wait_nodes(3)
-        os.environ["RAY_AUTH_TOKEN"] = c.token
-        yield c
-    finally:
-        os.environ.pop("RAY_AUTH_TOKEN", None)
-        c.stop()
 
 
 def _job(tiny: dict[str, Path], root: Path, name: str, **sections: dict[str, Any]) -> Path:
@@ -64,7 +47,8 @@ def _job(tiny: dict[str, Path], root: Path, name: str, **sections: dict[str, Any
     return path
 
 
-def test_recovery_after_a_worker_kill(cluster, tmp_path):
+def test_recovery_after_a_worker_kill(ray_cluster, tmp_path):
+    cluster = ray_cluster  # head + two 1-CPU nodes (tests/conftest.py)
     tiny = build_all(tmp_path / "tiny", rows=2000, eval_rows=50)
 
     def once(i: int) -> dict[str, float]:
@@ -111,7 +95,8 @@ def _stall(records: list[dict[str, Any]]) -> float:
     return statistics.mean(ck) - statistics.median(plain)
 
 
-def test_checkpoint_stall_async_vs_sync(cluster, tmp_path):
+def test_checkpoint_stall_async_vs_sync(ray_cluster, tmp_path):
+    cluster = ray_cluster
     hidden = env_int("RAYLIFT_BENCH_HIDDEN", 512)
     layers = env_int("RAYLIFT_BENCH_LAYERS", 6)
     tiny = build_all(tmp_path / "model", rows=3000, eval_rows=50, hidden=hidden, layers=layers)

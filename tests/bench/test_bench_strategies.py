@@ -41,10 +41,10 @@ from pathlib import Path
 from typing import Any
 
 from tests.bench.benchutil import OUT, ROOT, Check, env_int, interleave, repeats, report
+from tests.bench.test_bench_planner import VOCAB, make_model
 from tests.helpers import torchrun
 
 WORLD = 2
-VOCAB = 8000
 BLOCK, MICRO = 128, 2
 TOLERANCE = 0.15
 HERE = Path(__file__).resolve().parent
@@ -59,24 +59,6 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "lora": {"strategy": {"name": "ddp"}, "adapter": "lora"},
     "qlora": {"strategy": {"name": "ddp"}, "adapter": "qlora"},
 }
-
-
-def make_model(out: Path, hidden: int, layers: int) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    conf = LlamaConfig(
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        intermediate_size=int(hidden * 2.6875),
-        vocab_size=VOCAB,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
-    if not (out / "config.json").exists():
-        LlamaForCausalLM(conf).save_pretrained(out, safe_serialization=True)
-    return out
 
 
 def job(case: dict[str, Any], model_dir: Path) -> dict[str, Any]:

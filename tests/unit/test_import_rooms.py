@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_plan import _job
+
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "ray", "numpy", "pyarrow")
 
@@ -36,39 +38,9 @@ BLOCKER = textwrap.dedent(
     """
 )
 
-LLAMA_7B = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "intermediate_size": 11008,
-    "vocab_size": 32000,
-    "tie_word_embeddings": False,
-}
-
-
-def _job(tmp_path: Path) -> Path:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(LLAMA_7B))
-    (model / "tokenizer.json").write_text("{}")
-    (tmp_path / "train.jsonl").write_text('{"text": "hello"}\n')
-    job = {
-        "model": {"path": str(model)},
-        "data": {"train_file": str(tmp_path / "train.jsonl"), "block_size": 512},
-        "train": {"precision": "bf16"},
-        "scaling": {"num_workers": 1, "use_gpu": True},
-        "storage": {"path": str(tmp_path / "runs")},
-        "run": {"name": "laptop"},
-    }
-    path = tmp_path / "job.yaml"
-    path.write_text(json.dumps(job))
-    return path
-
 
 def test_laptop_path_runs_without_torch_ray_numpy_or_pyarrow(tmp_path: Path) -> None:
-    job = _job(tmp_path)
+    job = _job(tmp_path)  # the planner tests' Llama-2-7B job
     code = BLOCKER + textwrap.dedent(
         f"""
         import importlib, json, sys
