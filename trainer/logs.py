@@ -4,8 +4,26 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record is emitted, not to the stream it saw
+    when it was made: a process that calls setup_logging and later swaps stderr (a test
+    capture, a notebook cell, a CLI run twice in one process) never writes to a closed one."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
 
 
 def setup_logging(debug: bool = False, ray_worker: bool = False) -> None:
@@ -23,7 +41,7 @@ def setup_logging(debug: bool = False, ray_worker: bool = False) -> None:
         logger.propagate = ray_worker
         if ray_worker or any(getattr(h, "_raylift", False) for h in logger.handlers):
             continue
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter(_FORMAT, "%H:%M:%S"))
         handler._raylift = True  # type: ignore[attr-defined]
         logger.addHandler(handler)

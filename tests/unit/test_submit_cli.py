@@ -201,3 +201,24 @@ def test_bare_config_means_run(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert submit.main([str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml: config file not found" in capsys.readouterr().err
+
+
+def test_logs_follow_stderr_as_it_is_now_not_as_it_was(tmp_path, monkeypatch):
+    """setup_logging then a new stderr (a test capture ending, the CLI run twice in one
+    process): records go to the stream of their own time, never to a closed earlier one.
+    CI once failed on a '--- Logging error ---' traceback from exactly this."""
+    import io
+    import logging
+
+    from trainer.logs import setup_logging
+
+    first = io.StringIO()
+    monkeypatch.setattr("sys.stderr", first)
+    setup_logging()
+    first.close()
+    second = io.StringIO()
+    monkeypatch.setattr("sys.stderr", second)
+    errors: list[str] = []
+    monkeypatch.setattr(logging.Handler, "handleError", lambda self, rec: errors.append("x"))
+    logging.getLogger("raylift.submit").info("opening a forward to %s", "i-0abc")
+    assert errors == [] and "opening a forward to i-0abc" in second.getvalue()
