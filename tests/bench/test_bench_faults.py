@@ -55,14 +55,12 @@ def test_recovery_after_a_worker_kill(ray_cluster, tmp_path):
         cfg, client, job_id = launch(cluster, _job(tiny, tmp_path, f"rec{i}"))
         run_dir = Path(cfg.storage.path) / cfg.run.name
         metrics = resolve(str(run_dir)).join("metrics.jsonl")
-        started = time.time()
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if any(r.get("step", 0) >= 2 * EVERY + 5 for r in read_records(metrics)):
                 break
             time.sleep(0.02)
-        victims = _train_workers(cluster, started)
-        os.kill(victims[-1].pid, signal.SIGKILL)
+        os.kill(_train_workers(client, job_id)[1].pid, signal.SIGKILL)
         killed = time.time()
         status, _ = submit.follow(client, job_id, progress=False)
         assert status == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]

@@ -133,17 +133,31 @@ def test_sharded_s3_chat_run_resumes_exactly_and_matches_the_local_file(
     ckpt = {"every_steps": 3, "keep_last": 1}
     ref_data = {**common, "train_file": str(local)}
     ref_path = job("data-ref", data=ref_data, train=train, checkpoint=ckpt)
+    # S3 data and S3 storage: checkpoints, metrics and the export go to the bucket.
     s3_path = job(
         "data-s3",
         data={**common, "train_file": spec, "cache_dir": str(tmp_path / "cache")},
-        storage={"path": str(tmp_path / "runs"), "endpoint_override": s3_server["endpoint"]},
+        storage={
+            "path": f"s3://{s3_server['bucket']}/runs",
+            "endpoint_override": s3_server["endpoint"],
+        },
         train=train,
         checkpoint=ckpt,
     )
     cfg_ref, _, _ = run_to_end(ray_cluster, ref_path)
     run_to_end(ray_cluster, s3_path, ["train.stop_at_step=3"])
-    cfg_s3, _, logs = run_to_end(ray_cluster, s3_path)
+    cfg_s3, summary, logs = run_to_end(ray_cluster, s3_path)
     assert "using tokenized cache" in logs  # the resubmission did not tokenize again
+    listed = s3_server["client"].list_objects_v2(Bucket="ckpt", Prefix="runs/data-s3/")
+    keys = {o["Key"] for o in listed["Contents"]}
+    for key in (
+        "step_00000006/strategy/model.pt",
+        "step_00000006/trainer_state.json",
+        "export/step_00000006/model/model.safetensors",
+        "metrics.jsonl",
+    ):
+        assert f"runs/data-s3/{key}" in keys, sorted(keys)
+    assert summary["checkpoint"] == "s3://ckpt/runs/data-s3/step_00000006"
 
     records, steps, wasted = history(cfg_s3)
     assert [r["from_step"] for r in records if r.get("event") == "resume"] == [3]

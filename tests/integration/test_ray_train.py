@@ -4,6 +4,7 @@ way tools/submit.py submits to a production cluster. Tiny Llama, CPU, gloo."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -80,18 +81,26 @@ def test_ddp_run_lowers_loss_and_exports_loadable_hf_checkpoint(ddp_reference):
     torch.testing.assert_close(logits, torch.tensor(probe["logits"]), atol=1e-5, rtol=1e-5)
 
 
-def test_resume_is_exact(ray_cluster, job, ddp_reference):
-    """The reference trains 12 steps straight; B stops after 6 and a fresh submission
-    with the same run name resumes it to 12. Same world size, so the gloo reductions run
-    in the same order: we allow 1e-6 absolute for floating-point reduction order, and in
-    practice the weights come out bit-identical."""
+def test_resume_is_exact_and_takes_a_newer_complete_checkpoint_than_rays_own(
+    ray_cluster, job, ddp_reference
+):
+    """The reference trains 12 steps straight. B stops after 4 on Ray; a torchrun run of
+    the same run name takes it to 8 (so storage holds a complete step 8 that Ray never saw
+    reported, as a worker killed before the controller's poll also leaves one); a fresh Ray
+    submission must resume from 8, not from Ray's own 4, and finish at 12. Same world
+    size, so the gloo reductions run in the same order: we allow 1e-6 absolute for
+    floating-point reduction order, and in practice the weights come out bit-identical."""
+    from tests.helpers import torchrun
+
     job_b = job("exact-b")
-    run_to_end(ray_cluster, job_b, ["train.stop_at_step=6"])
+    run_to_end(ray_cluster, job_b, ["train.stop_at_step=4"])  # Ray knows step 4
+    res = torchrun(["-m", "trainer", "run", str(job_b), "--set", "train.stop_at_step=8"])
+    assert res.returncode == 0, res.stderr[-3000:]  # storage now has step 8, Ray does not
     cfg_b, _, _ = run_to_end(ray_cluster, job_b)
 
     records, steps_b, wasted = history(cfg_b)
     resumes = [r for r in records if r.get("event") == "resume"]
-    assert [r["from_step"] for r in resumes] == [6] and wasted == 0
+    assert [r["from_step"] for r in resumes] == [4, 8] and wasted == 0
     _, steps_a, _ = history(ddp_reference["cfg"])
     assert [r["step"] for r in steps_b] == list(range(1, 13))
     for ra, rb in zip(steps_a, steps_b, strict=True):
@@ -101,8 +110,9 @@ def test_resume_is_exact(ray_cluster, job, ddp_reference):
     attempts = [r for r in journal.read(resolve(cfg_b.storage.path).join("exact-b"))]
     assert [
         (a["from_step"], a["lost_steps"], a["lost_s"]) for a in attempts if a["event"] == "attempt"
-    ] == [(0, 0, None), (6, 0, None)]
+    ] == [(0, 0, None), (4, 0, None), (8, 0, None)]
     assert [a["event"] for a in attempts if a["event"] in ("stopped", "finished")] == [
+        "stopped",
         "stopped",
         "finished",
     ]
@@ -120,62 +130,19 @@ def test_resume_is_exact(ray_cluster, job, ddp_reference):
         )
 
 
-def _train_workers(cluster, since: float) -> list[psutil.Process]:
-    """This run's Ray Train worker processes: started after `since`, by this cluster (its
-    processes carry the cluster's own RAY_TMPDIR; other Ray clusters may run beside it)."""
-    out = []
-    for p in psutil.process_iter(["cmdline", "name", "create_time"]):
-        text = " ".join(p.info.get("cmdline") or []) + " " + (p.info.get("name") or "")
-        if "RayTrainWorker" not in text or p.info["create_time"] < since:
-            continue
-        try:
-            if p.environ().get("RAY_TMPDIR") == str(cluster.root):
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
-
-
-def test_resume_prefers_a_newer_complete_checkpoint_than_rays_own(ray_cluster, job):
-    """Ray registers only the checkpoints it saw reported; one that became complete in
-    storage without Ray (here: written by a torchrun run of the same run, as a worker
-    killed before the controller's poll also leaves one) is newer, and the resume must
-    take it instead of retraining from Ray's older one."""
-    from tests.helpers import torchrun
-
-    path = job("mixed")
-    run_to_end(ray_cluster, path, ["train.stop_at_step=4"])  # Ray knows step 4
-    res = torchrun(["-m", "trainer", "run", str(path), "--set", "train.stop_at_step=8"])
-    assert res.returncode == 0, res.stderr[-3000:]  # storage now has step 8, Ray does not
-    cfg, _, _ = run_to_end(ray_cluster, path)
-    records, steps, wasted = history(cfg)
-    assert [r["from_step"] for r in records if r.get("event") == "resume"] == [4, 8]
-    assert [r["step"] for r in steps] == list(range(1, 13)) and wasted == 0
-
-
-def test_s3_storage_checkpoints_and_resume(ray_cluster, job, s3_server):
-    overrides = [
-        f"storage.path=s3://{s3_server['bucket']}/runs",
-        f"storage.endpoint_override={s3_server['endpoint']}",
-    ]
-    path = job("s3run")
-    run_to_end(ray_cluster, path, [*overrides, "train.stop_at_step=8"])
-    cfg, summary, _ = run_to_end(ray_cluster, path, overrides)
-
-    keys = {
-        o["Key"]
-        for o in s3_server["client"].list_objects_v2(Bucket="ckpt", Prefix="runs/s3run/")[
-            "Contents"
-        ]
-    }
-    assert "runs/s3run/step_00000012/strategy/model.pt" in keys
-    assert "runs/s3run/export/step_00000012/model/model.safetensors" in keys
-    assert "runs/s3run/step_00000012/trainer_state.json" in keys
-    assert "runs/s3run/metrics.jsonl" in keys
-    assert summary["checkpoint"] == "s3://ckpt/runs/s3run/step_00000012"
-    records, steps, _ = history(cfg)
-    assert [r["from_step"] for r in records if r.get("event") == "resume"] == [8]
-    assert [r["step"] for r in steps] == list(range(1, 13))
+def _train_workers(client: Any, job_id: str) -> dict[int, psutil.Process]:
+    """The current worker group of a running job, by rank: the controller logs each group
+    it starts with every rank's pid. (Ray may hand a new actor an idle worker process it
+    started earlier, so a process's age says nothing about which group it belongs to.)"""
+    found = re.findall(r"pid=(\d+)\) world_rank=(\d+),", client.get_job_logs(job_id))
+    pids: dict[int, int] = {}
+    for pid, rank in found:
+        if rank == "0":
+            pids = {}  # a newer group starts
+        pids[int(rank)] = int(pid)
+    group = {rank: psutil.Process(pid) for rank, pid in pids.items()}
+    assert group and all("RayTrainWorker" in p.name() for p in group.values()), group
+    return group
 
 
 def test_malformed_line_deep_in_file_fails_on_cluster_with_file_line(

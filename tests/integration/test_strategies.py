@@ -108,15 +108,18 @@ def ddp_losses(ddp_reference):
     return _losses(history(ddp_reference["cfg"])[1])
 
 
-def _stop_resume_export(ray_cluster, path, reference, resume_overrides=()):
+def _stop_resume_export(ray_cluster, path, reference, resume_overrides=(), stop=True):
     """Stop at step 6, resume to 12 (a fresh submission), then check the lineage, the
-    loss curve against the reference, and that the export reproduces the trained logits."""
+    loss curve against the reference, and that the export reproduces the trained logits.
+    With stop=False the run goes straight to 12 (one Ray job instead of two)."""
     from transformers import AutoModelForCausalLM
 
-    run_to_end(ray_cluster, path, ["train.stop_at_step=6"])
+    if stop:
+        run_to_end(ray_cluster, path, ["train.stop_at_step=6"])
     cfg, summary, _ = run_to_end(ray_cluster, path, list(resume_overrides))
     records, steps, wasted = history(cfg)
-    assert [r["from_step"] for r in records if r.get("event") == "resume"] == [6]
+    resumes = [r["from_step"] for r in records if r.get("event") == "resume"]
+    assert resumes == ([6] if stop else [])
     assert [r["step"] for r in steps] == list(range(1, 13)) and wasted == 0
     for step, (want, got) in enumerate(zip(reference, _losses(steps), strict=True), start=1):
         assert got == pytest.approx(want, abs=LOSS_TOL), step
@@ -151,13 +154,16 @@ def test_fsdp_matches_ddp_resumes_on_one_worker_and_exports(ray_cluster, job, dd
     assert "written by strategy fsdp (layout dcp/1), this job uses ddp" in logs
 
 
-@pytest.mark.parametrize("config", ["zero2", "zero3", "zero3_offload"])
-def test_deepspeed_stop_resume_export(ray_cluster, job, ddp_losses, config):
+@pytest.mark.parametrize(
+    ("config", "stop"), [("zero2", True), ("zero3", False), ("zero3_offload", True)]
+)
+def test_deepspeed_stop_resume_export(ray_cluster, job, ddp_losses, config, stop):
     """ZeRO-2, ZeRO-3 and ZeRO-3 with CPU optimizer/parameter offload, from the shipped
     stock JSON files with "auto" values: same curve as DDP, exact resume from DeepSpeed's
-    own checkpoint, and a gathered 16-bit export that reproduces the logits."""
+    own checkpoint, and a gathered 16-bit export that reproduces the logits. Plain ZeRO-3
+    runs straight: its checkpoint code is ZeRO-3-with-offload's, whose resume is checked."""
     path = job(f"ds-{config}", strategy={"name": "deepspeed", "config": config})
-    _, run_dir = _stop_resume_export(ray_cluster, path, ddp_losses)
+    _, run_dir = _stop_resume_export(ray_cluster, path, ddp_losses, stop=stop)
     state = json.loads((run_dir / "step_00000012" / "trainer_state.json").read_text())
     assert (state["strategy"], state["layout"]) == ("deepspeed", "deepspeed/1")
     assert (run_dir / "step_00000012" / "strategy" / "ds" / "state").is_dir()
@@ -186,23 +192,16 @@ def _peft_model(run_dir: Path, export: Path, base: Path, quantized: bool) -> Any
     return PeftModel.from_pretrained(model, export / "adapter").train()
 
 
-def test_lora_stop_resume_is_exact_and_adapter_and_merged_exports_reproduce_logits(
-    ray_cluster, job, tiny
-):
+def test_lora_adapter_and_merged_exports_reproduce_logits(ray_cluster, job, tiny):
+    """One straight run (the adapter's stop/resume exactness is the QLoRA test's: the same
+    adapter checkpoint code, plus quantization): the adapter folder on the base model and
+    the merged export both reproduce the trained logits."""
     from transformers import AutoModelForCausalLM
 
     lora = {"adapter": "lora", "lora": {"merge_on_export": True}}
-    cfg_a, _, _ = run_to_end(ray_cluster, job("lora-a", model=lora, optim={"lr": 1e-2}))
-    path = job("lora-b", model=lora, optim={"lr": 1e-2})
-    run_to_end(ray_cluster, path, ["train.stop_at_step=6"])
-    cfg, summary, _ = run_to_end(ray_cluster, path)
-
-    records, steps, wasted = history(cfg)
-    assert [r["from_step"] for r in records if r.get("event") == "resume"] == [6]
-    _, straight, _ = history(cfg_a)
+    cfg, summary, _ = run_to_end(ray_cluster, job("lora", model=lora, optim={"lr": 1e-2}))
+    _, steps, wasted = history(cfg)
     assert [r["step"] for r in steps] == list(range(1, 13)) and wasted == 0
-    for a, b in zip(straight, steps, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6), a["step"]
     _lowered(steps, 1.0)
 
     run_dir = Path(cfg.storage.path) / cfg.run.name
