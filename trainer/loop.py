@@ -33,7 +33,7 @@ from trainer.checkpoint import (
     TrainState,
 )
 from trainer.config import JobConfig
-from trainer.data import BatchPlan, PackedBlocks, StepBatches, TokenCache, eval_indices
+from trainer.data import IGNORE, BatchPlan, PackedBlocks, StepBatches, TokenCache, eval_indices
 from trainer.errors import UserError
 from trainer.metrics import MetricsFile, mfu, peak_flops, read_records
 from trainer.model import (
@@ -92,6 +92,20 @@ def build_scheduler(cfg: JobConfig, optimizer: torch.optim.Optimizer, steps: int
     if o.schedule == "linear":
         return get_scheduler("linear", optimizer, num_warmup_steps=warmup, num_training_steps=steps)
     return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup)
+
+
+def _targets_per_rank(
+    micro: list[tuple[Any, Any]], device: torch.device, world: int
+) -> torch.Tensor:
+    """The loss divisor that makes a step's loss the mean over every target token of the
+    global batch (all micro-batches, all ranks): each micro-batch's loss is its token sum
+    over this, and the strategies average the gradients over ranks. With masked prompts
+    the micro-batches hold different numbers of targets, so a mean of per-batch means
+    would weigh tokens unequally, and a batch of prompt tokens only would be NaN; a
+    global batch with no target at all trains nothing (loss 0)."""
+    local = sum(int((labels[:, 1:] != IGNORE).sum()) for _, labels in micro)
+    (total,) = _all_reduce_sum([float(local)], device, world)
+    return torch.tensor(max(total, 1.0) / world, device=device)
 
 
 def _all_reduce_sum(values: list[float], device: torch.device, world: int) -> list[float]:
@@ -224,15 +238,16 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     for step in range(start, end):
         t0 = time.perf_counter()
         micro = batches.micro_batches(step)
+        per_rank = _targets_per_rank(micro, device, rt.world_size)
         loss_acc = torch.zeros((), device=device)
         for m, (ids, labels) in enumerate(micro):
             x = torch.from_numpy(ids).to(device, non_blocking=True)
             y = torch.from_numpy(labels).to(device, non_blocking=True)
             with strategy.accumulating(m == len(micro) - 1):
                 with strategy.precision():
-                    loss = strategy.model(input_ids=x, labels=y).loss / len(micro)
-                strategy.backward(loss)
-            loss_acc += loss.detach()
+                    out = strategy.model(input_ids=x, labels=y, num_items_in_batch=per_rank)
+                strategy.backward(out.loss)
+            loss_acc += out.loss.detach()
         lr = scheduler.get_last_lr()[0]
         grad_norm = strategy.step()
         scheduler.step()

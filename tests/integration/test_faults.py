@@ -101,8 +101,8 @@ def test_three_worker_kills_one_mid_upload_resume_from_newest_complete_checkpoin
     manifests (the fault-injection pause), so that folder is torn; it is skipped with a
     warning and the previous complete checkpoint is resumed. The other two land at random
     steps. Each restart resumes from the newest complete checkpoint, loses at most two
-    intervals (one may still be uploading), nothing torn is ever loaded, and the final weights equal the uninterrupted
-    run's."""
+    intervals (one may still be uploading), nothing torn is ever loaded, and the final
+    weights equal the uninterrupted run's."""
     rng = random.Random(20261122)
     path = fault_job(tiny, tmp_path, "kill3")
     cfg = submit.absolutize(load_config(path, []), Path.cwd())

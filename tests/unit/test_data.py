@@ -142,3 +142,40 @@ def test_eval_indices_split_across_ranks():
     flat = sorted(i for p in parts for mb in p for i in mb.tolist())
     assert flat == list(range(10))
     assert [len(mb) for mb in eval_indices(10, 2, 3, 0, 1)] == [2]
+
+
+def test_step_loss_is_the_token_mean_over_micro_batches_even_with_a_prompt_only_one(tiny):
+    """Masked prompts: one micro-batch holds no target at all, the other a few. The step's
+    loss (the sum of the micro-batch losses the loop backpropagates) is finite and equals
+    the mean over every target token of the step, not a mean of per-batch means (which
+    is NaN here: Hugging Face's mean over zero targets)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.data import IGNORE
+    from trainer.loop import _targets_per_rank
+
+    model = AutoModelForCausalLM.from_pretrained(tiny["model"]).eval()
+    gen = torch.Generator().manual_seed(3)
+    ids = [torch.randint(0, 200, (2, 16), generator=gen).numpy() for _ in range(2)]
+    prompt_only = np.full_like(ids[0], IGNORE)
+    some = ids[1].copy()
+    some[:, :10] = IGNORE  # 6 targets per row (positions 10-15), 12 in all
+    micro = [(ids[0], prompt_only), (ids[1], some)]
+    per_rank = _targets_per_rank(micro, torch.device("cpu"), world=1)
+    assert float(per_rank) == 12.0
+    with torch.no_grad():
+        step_loss = sum(
+            model(
+                input_ids=torch.from_numpy(x),
+                labels=torch.from_numpy(y),
+                num_items_in_batch=per_rank,
+            ).loss
+            for x, y in micro
+        )
+        plain = model(input_ids=torch.from_numpy(ids[1]), labels=torch.from_numpy(some)).loss
+        naive = model(input_ids=torch.from_numpy(ids[0]), labels=torch.from_numpy(prompt_only)).loss
+    assert torch.isfinite(step_loss)
+    # All twelve targets sit in the second batch, so the token mean is that batch's mean.
+    torch.testing.assert_close(step_loss, plain)
+    assert torch.isnan(naive)  # what a mean of per-batch means would have added

@@ -117,7 +117,7 @@ class DeepSpeedStrategy:
         yield
 
     def backward(self, loss: torch.Tensor) -> None:
-        # The loop already divided the loss by the number of micro steps.
+        # The loop's loss is already this micro-batch's share of the global token mean.
         self.engine.backward(loss, scale_wrt_gas=False)
         if not self._last:
             self.engine.step()  # DeepSpeed counts micro steps; it updates at the boundary
