@@ -245,9 +245,11 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
             y = torch.from_numpy(labels).to(device, non_blocking=True)
             with strategy.accumulating(m == len(micro) - 1):
                 with strategy.precision():
-                    out = strategy.model(input_ids=x, labels=y, num_items_in_batch=per_rank)
-                strategy.backward(out.loss)
-            loss_acc += out.loss.detach()
+                    # Only the loss is kept: holding the output would keep its logits (a
+                    # vocab-sized row per token) alive through the backward pass.
+                    loss = strategy.model(input_ids=x, labels=y, num_items_in_batch=per_rank).loss
+                strategy.backward(loss)
+            loss_acc += loss.detach()
         lr = scheduler.get_last_lr()[0]
         grad_norm = strategy.step()
         scheduler.step()
