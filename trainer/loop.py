@@ -6,6 +6,7 @@ go is the runtime's, and which blocks a rank reads is `trainer.data.BatchPlan`'s
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -76,22 +77,33 @@ def total_steps(cfg: JobConfig, steps_per_epoch: int) -> int:
     return max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
 
 
-def build_scheduler(cfg: JobConfig, optimizer: torch.optim.Optimizer, steps: int) -> Any:
-    from transformers import get_scheduler
+def lr_factor(step: int, *, schedule: str, warmup: int, total: int, min_ratio: float) -> float:
+    """The learning rate at `step` as a fraction of optim.lr: a linear warmup from 0, then
+    cosine down to min_ratio, linear down to 0, or constant. The same curves as Hugging
+    Face's get_scheduler("cosine_with_min_lr" | "linear" | "constant_with_warmup"), checked
+    against it in tests/unit/test_config.py; importing transformers.optimization pulls in
+    peft and bitsandbytes, seconds of start-up for every worker of every attempt."""
+    if step < warmup:
+        return step / max(1, warmup)
+    if schedule == "constant":
+        return 1.0
+    if schedule == "linear":
+        return max(0.0, (total - step) / max(1, total - warmup))
+    progress = (step - warmup) / max(1, total - warmup)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return max(0.0, cosine * (1 - min_ratio) + min_ratio)
 
+
+def build_scheduler(cfg: JobConfig, optimizer: torch.optim.Optimizer, steps: int) -> Any:
     o = cfg.optim
-    warmup = min(o.warmup_steps, max(steps - 1, 0))
-    if o.schedule == "cosine":
-        return get_scheduler(
-            "cosine_with_min_lr",
-            optimizer,
-            num_warmup_steps=warmup,
-            num_training_steps=steps,
-            scheduler_specific_kwargs={"min_lr_rate": o.min_lr_ratio},
-        )
-    if o.schedule == "linear":
-        return get_scheduler("linear", optimizer, num_warmup_steps=warmup, num_training_steps=steps)
-    return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup)
+    factor = functools.partial(
+        lr_factor,
+        schedule=o.schedule,
+        warmup=min(o.warmup_steps, max(steps - 1, 0)),
+        total=steps,
+        min_ratio=o.min_lr_ratio,
+    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def _targets_per_rank(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer.config import load_config
+from trainer.config import JobConfig, load_config
 from trainer.errors import ConfigError
 
 GOOD = {
@@ -164,3 +164,58 @@ def test_s3_data_takes_the_storage_endpoint(tmp_path):
         ],
     )
     assert cfg.data.loss_on == "completion" and cfg.data.long_rows == "split"
+
+
+@pytest.mark.parametrize(
+    ("schedule", "hf_name", "extra"),
+    [
+        ("cosine", "cosine_with_min_lr", {"scheduler_specific_kwargs": {"min_lr_rate": 0.1}}),
+        ("linear", "linear", {}),
+        ("constant", "constant_with_warmup", {}),
+    ],
+)
+@pytest.mark.parametrize(("steps", "warmup"), [(40, 5), (3, 10), (1, 0)])
+def test_lr_schedule_matches_hugging_faces_step_by_step(schedule, hf_name, extra, steps, warmup):
+    """Our schedules (plain torch LambdaLR) give the learning rates Hugging Face's
+    get_scheduler gives, at every step, a warmup longer than the run included."""
+    import torch
+    from transformers import get_scheduler
+
+    from trainer.loop import build_scheduler
+
+    cfg = JobConfig.model_validate(
+        {
+            "model": {"path": "m"},
+            "data": {"train_file": "t.jsonl"},
+            "optim": {
+                "lr": 2e-3,
+                "schedule": schedule,
+                "warmup_steps": warmup,
+                "min_lr_ratio": 0.1,
+            },
+            "run": {"name": "lr"},
+        }
+    )
+
+    def lrs(make) -> list[float]:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optim.lr)
+        sched = make(opt)
+        out = []
+        for _ in range(steps + 1):
+            out.append(sched.get_last_lr()[0])
+            opt.step()
+            sched.step()
+        return out
+
+    ours = lrs(lambda opt: build_scheduler(cfg, opt, steps))
+    w = min(warmup, max(steps - 1, 0))
+    if hf_name == "constant_with_warmup":
+        theirs = lrs(lambda opt: get_scheduler(hf_name, opt, num_warmup_steps=w))
+    else:
+        theirs = lrs(
+            lambda opt: get_scheduler(
+                hf_name, opt, num_warmup_steps=w, num_training_steps=steps, **extra
+            )
+        )
+    assert ours == pytest.approx(theirs, abs=1e-12)
+    assert ours[0] == (0.0 if w else cfg.optim.lr)
