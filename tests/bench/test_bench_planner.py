@@ -5,7 +5,8 @@ Each case runs in a fresh process (one rank, CPU, fp32): it imports everything f
 warms the runtime up on a throwaway model, takes its resident set as the baseline,
 resets the kernel's peak-RSS mark (/proc/self/clear_refs), builds the strategy from the
 model folder, runs two optimizer steps (Adam state exists from the first), and reports
-VmHWM − baseline. The prediction
+VmHWM − baseline, with large allocations given back to the kernel on free (see
+measure()). The prediction
 is the planner's per-rank total minus its stated framework overhead (the imports, which
 are below the baseline). Target: every case within ±15%.
 
@@ -120,7 +121,16 @@ print("PEAK", status("VmHWM:") - base)
 
 
 def measure(cfg_dict: dict[str, Any]) -> float:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    # Every allocation of 64 KiB or more gets its own mapping, returned to the kernel when
+    # the tensor is freed: the resident set then follows the live tensors, as a GPU's
+    # allocated-bytes counter does. (With glibc's defaults, freed activations stay in the
+    # heap and the high-water mark grows with every step, whatever the model needs.)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "2",
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+    }
     out = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps(cfg_dict), str(VOCAB)],
         capture_output=True,

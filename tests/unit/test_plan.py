@@ -228,6 +228,36 @@ def test_activations_by_hand_with_and_without_checkpointing():
     assert P.activation_bytes(TINY, s, True) == t * (2 * 4 * 64 + per_layer + head)
 
 
+def test_lora_keeps_only_the_inputs_of_the_linears_it_trains():
+    """Frozen linears need only their weights in backward: with adapters on q/k/v/o the
+    gate/up input (h) and down's input (the gate·up product, I) are not saved; an
+    adapter on down_proj keeps the product again."""
+    full = Setup("ddp", gpu=False, micro_batch=2, block_size=16)
+    lora = Setup("ddp", gpu=False, micro_batch=2, block_size=16, adapter="lora")
+    t, layers, h, inter = 2 * 16, 2, 64, 128
+    saved = P.activation_bytes(TINY, full, False) - P.activation_bytes(TINY, lora, False)
+    assert saved == t * layers * 4 * (h + inter)
+    down = Setup(
+        "ddp", gpu=False, micro_batch=2, block_size=16, adapter="lora",
+        lora_targets=("q_proj", "down_proj"),
+    )  # fmt: skip
+    assert P.activation_bytes(TINY, full, False) - P.activation_bytes(TINY, down, False) == (
+        t * layers * 4 * h
+    )
+
+
+def test_total_counts_the_larger_of_gradients_and_activations_on_top_of_what_is_held():
+    one = rank_memory(L7, Setup("ddp", world=1, precision="fp32", micro_batch=8))
+    assert one.gradients_held == 0 and one.activations > one.gradients
+    assert one.total == one.weights + one.optimizer + one.overhead + one.activations
+    two = rank_memory(L7, Setup("ddp", world=2, precision="fp32", micro_batch=8))
+    assert two.gradients_held == 4 * M  # the buckets stay; the .grad tensors come and go
+    assert two.total == one.total + 4 * M
+    ckpt = rank_memory(L7, Setup("ddp", world=1, precision="fp32", checkpointing=True))
+    assert ckpt.activations < ckpt.gradients
+    assert ckpt.total == ckpt.weights + ckpt.optimizer + ckpt.overhead + ckpt.gradients
+
+
 def test_eager_attention_adds_the_score_matrices():
     s = Setup("ddp", gpu=False, micro_batch=1, block_size=16)
     eager = Setup("ddp", gpu=False, micro_batch=1, block_size=16, eager_attention=True)
