@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.integration.test_ray_train import history, launch, run_to_end
-from tools import submit
+from tests.integration.test_ray_train import history, run_to_end
 
 pytestmark = pytest.mark.slow
 
@@ -143,25 +142,19 @@ def test_fsdp_matches_ddp_resumes_on_one_worker_and_exports(ray_cluster, job, dd
     state = json.loads((run_dir / "step_00000012" / "trainer_state.json").read_text())
     assert (state["strategy"], state["layout"], state["world_size"]) == ("fsdp", "dcp/1", 1)
     assert (run_dir / "step_00000008" / "strategy" / "dcp" / ".metadata").exists()
-
-    # The same run name under another strategy is refused, naming both.
-    _, client, job_id = launch(
-        ray_cluster, job("fsdp", strategy={"name": "ddp"}), ["run.max_failures=0"]
-    )
-    status, _ = submit.follow(client, job_id, progress=False)
-    logs = client.get_job_logs(job_id)
-    assert status == "FAILED"
-    assert "written by strategy fsdp (layout dcp/1), this job uses ddp" in logs
+    # (The same run name under another strategy is refused, naming both: unit-tested in
+    # tests/unit/test_checkpoint.py; a job error reaching the user is test_ray_train's.)
 
 
 @pytest.mark.parametrize(
-    ("config", "stop"), [("zero2", True), ("zero3", False), ("zero3_offload", True)]
+    ("config", "stop"), [("zero2", False), ("zero3", False), ("zero3_offload", True)]
 )
 def test_deepspeed_stop_resume_export(ray_cluster, job, ddp_losses, config, stop):
     """ZeRO-2, ZeRO-3 and ZeRO-3 with CPU optimizer/parameter offload, from the shipped
     stock JSON files with "auto" values: same curve as DDP, exact resume from DeepSpeed's
-    own checkpoint, and a gathered 16-bit export that reproduces the logits. Plain ZeRO-3
-    runs straight: its checkpoint code is ZeRO-3-with-offload's, whose resume is checked."""
+    own checkpoint, and a gathered 16-bit export that reproduces the logits. ZeRO-2 and plain
+    ZeRO-3 run straight: our checkpoint code is the same DeepSpeed save/load for every
+    stage, and its exact resume is checked on the hardest one (ZeRO-3 with offload)."""
     path = job(f"ds-{config}", strategy={"name": "deepspeed", "config": config})
     _, run_dir = _stop_resume_export(ray_cluster, path, ddp_losses, stop=stop)
     state = json.loads((run_dir / "step_00000012" / "trainer_state.json").read_text())
