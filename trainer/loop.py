@@ -106,6 +106,12 @@ def build_scheduler(cfg: JobConfig, optimizer: torch.optim.Optimizer, steps: int
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def _target_count(labels: Any) -> int:
+    """Predictions a causal-LM loss averages over: the labels after the one-token shift
+    that are not IGNORE (numpy or torch)."""
+    return int((labels[:, 1:] != IGNORE).sum())
+
+
 def _targets_per_rank(
     micro: list[tuple[Any, Any]], device: torch.device, world: int
 ) -> torch.Tensor:
@@ -115,7 +121,7 @@ def _targets_per_rank(
     the micro-batches hold different numbers of targets, so a mean of per-batch means
     would weigh tokens unequally, and a batch of prompt tokens only would be NaN; a
     global batch with no target at all trains nothing (loss 0)."""
-    local = sum(int((labels[:, 1:] != IGNORE).sum()) for _, labels in micro)
+    local = sum(_target_count(labels) for _, labels in micro)
     (total,) = _all_reduce_sum([float(local)], device, world)
     return torch.tensor(max(total, 1.0) / world, device=device)
 
@@ -140,7 +146,7 @@ def evaluate(
             x, y = torch.from_numpy(ids).to(device), torch.from_numpy(labels).to(device)
             with strategy.precision():
                 out = strategy.model(input_ids=x, labels=y)
-            n = int((y[:, 1:] != -100).sum())  # the predictions the loss averaged over
+            n = _target_count(y)  # the predictions the loss averaged over
             if n:  # a batch of prompt tokens only has no loss (HF returns NaN for it)
                 loss_sum += float(out.loss) * n
                 count += n
