@@ -4,6 +4,7 @@ Ray cluster on 127.0.0.1, and a SeaweedFS S3 server on 127.0.0.1."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import socket
@@ -56,7 +57,6 @@ LONGEST_FIRST = (
     "test_doctor.py",
     "test_agent_drain.py",
     "test_torchrun.py",
-    "test_demo.py",
 )
 
 
@@ -65,13 +65,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
 
 
+def _shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every pytest-xdist worker of this session sees (the parent of the workers'
+    own base temps), or the base temp when pytest runs alone."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Any) -> Any:
+    """build(folder) → JSON-able result, run by the first worker that asks; the others wait
+    for it and read the result (a Ray job costs ~45 s of start-up on the CI machine, so the
+    workers share what they can)."""
+    from filelock import FileLock
+
+    root = _shared_root(tmp_path_factory)
+    folder, done = root / name, root / f"{name}.json"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            done.write_text(json.dumps(build(folder)))
+    return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny Llama (random weights from a LlamaConfig), a BPE tokenizer trained here, a
-    Ray-template-format dataset and its special-tokens file."""
+    Ray-template-format dataset and its special-tokens file; built once per session."""
     from tools.tiny import build_all
 
-    return build_all(tmp_path_factory.mktemp("tiny"), rows=2000, eval_rows=200)
+    def build(folder: Path) -> dict[str, str]:
+        return {k: str(v) for k, v in build_all(folder, rows=2000, eval_rows=200).items()}
+
+    return {k: Path(v) for k, v in _once(tmp_path_factory, "tiny", build).items()}
 
 
 def base_job(tiny: dict[str, Path], storage: Path | str, name: str) -> dict[str, Any]:
@@ -119,12 +144,19 @@ def ddp_reference(ray_cluster, tiny, tmp_path_factory):
     against it (the DDP checks themselves, exact resume, the other strategies' curves):
     each Ray job costs ~45 s of fixed start-up on the CI machine."""
     from tests.integration.test_ray_train import run_to_end
+    from tools import submit
+    from trainer.config import load_config
 
-    root = tmp_path_factory.mktemp("ref")
-    path = root / "ref.yaml"
-    path.write_text(yaml.safe_dump(base_job(tiny, root / "runs", "ref-ddp")))
-    cfg, summary, logs = run_to_end(ray_cluster, path)
-    return {"cfg": cfg, "summary": summary, "logs": logs, "run_dir": root / "runs" / "ref-ddp"}
+    def build(root: Path) -> dict[str, Any]:
+        path = root / "ref.yaml"
+        path.write_text(yaml.safe_dump(base_job(tiny, root / "runs", "ref-ddp")))
+        _, summary, logs = run_to_end(ray_cluster, path)
+        return {"path": str(path), "summary": summary, "logs": logs}
+
+    ref = _once(tmp_path_factory, "ddp-ref", build)
+    cfg = submit.absolutize(load_config(Path(ref["path"]), []), Path.cwd())
+    run_dir = Path(cfg.storage.path) / "ref-ddp"
+    return {"cfg": cfg, "summary": ref["summary"], "logs": ref["logs"], "run_dir": run_dir}
 
 
 @pytest.fixture(scope="session")

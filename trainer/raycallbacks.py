@@ -16,6 +16,12 @@ from trainer.storage import resolve
 log = logging.getLogger(__name__)
 
 
+_PEER_LOST = (
+    r"Connection closed by peer|Connection reset by peer|remote worker crash"
+    r"|remote worker hanging|remote process exited|Read timeout"
+)
+
+
 def failure_cause(exc: BaseException) -> str:
     """preempted | node_lost | worker_died | error, from what Ray reports for a rank."""
     inner = getattr(exc, "health_check_failure", None)  # WorkerHealthCheckFailedError
@@ -26,8 +32,10 @@ def failure_cause(exc: BaseException) -> str:
     text = str(exc)
     if re.search(r"node (has )?died|node .* (is )?dead|raylet .* died", text, re.I):
         return "node_lost"
-    # A collective that lost its peer: the peer (a worker, or its node) died, not this rank.
-    if re.search(r"Connection closed by peer|remote worker crash|remote process exited", text):
+    # A collective that lost its peer: the peer (a worker, or its node) died or stopped
+    # answering, not this rank. gloo reports a peer whose node was killed either as a closed
+    # connection or, when the socket never saw the close, as a read timeout.
+    if re.search(_PEER_LOST, text):
         return "worker_died"
     from ray.exceptions import RayActorError
 

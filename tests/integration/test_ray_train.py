@@ -57,6 +57,10 @@ def test_ddp_run_lowers_loss_and_exports_loadable_hf_checkpoint(ddp_reference):
     assert last < first - 1.0, (first, last)
     assert all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in steps)  # CPU: MFU n/a
     assert [r["step"] for r in steps if "eval_loss" in r] == [6, 12]
+    # Readable logs: rank 0's step lines once each, not Ray's per-rank report dumps.
+    logs = ddp_reference["logs"]
+    assert "Reporting training result" not in logs
+    assert [int(s) for s in re.findall(r"step (\d+)/12 loss", logs)] == list(range(1, 13))
 
     run_dir = ddp_reference["run_dir"]
     assert sorted(p.name for p in run_dir.glob("step_*")) == ["step_00000008", "step_00000012"]

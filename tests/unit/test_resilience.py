@@ -174,6 +174,14 @@ def test_failure_causes_from_ray_errors():
     proc = RayActorError(error_msg="The actor is dead because its worker process has died.")
     assert failure_cause(proc) == "worker_died"
     assert failure_cause(ValueError("loss is nan")) == "error"
+    # gloo on the surviving rank when its peer's node was killed: closed, or a read timeout
+    # when the socket never saw the close (a CI run classified this as "error").
+    for gloo in (
+        "[pair.cc:538] Connection closed by peer [127.0.0.1]:4242",
+        "[pair.cc:598] Read timeout [127.0.0.1]:4242 This is typically caused by a remote"
+        " worker hanging or bugs in the application.",
+    ):
+        assert failure_cause(RuntimeError(gloo)) == "worker_died", gloo
 
 
 BASE = {

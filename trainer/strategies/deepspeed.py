@@ -10,8 +10,9 @@ optimizer partition file per rank. The export gathers the 16-bit (compute-dtype)
 on rank 0 and saves a plain Hugging Face folder.
 
 On CPU (`DS_ACCELERATOR=cpu`, gloo) DeepSpeed JIT-compiles its C++ ops on first use
-(about 30 s each on 2 cores); `TORCH_EXTENSIONS_DIR` defaults to a cache shared by every
-process on the node, so the build is paid once per node, not per worker or per run.
+(about 30 s each on 2 cores; the inference-only shared-memory comm op is skipped);
+`TORCH_EXTENSIONS_DIR` defaults to a cache shared by every process on the node, so the
+build is paid once per node, not per worker or per run.
 """
 
 from __future__ import annotations
@@ -51,6 +52,19 @@ def prepare_environment(device: torch.device) -> None:
     Path(os.environ["TORCH_EXTENSIONS_DIR"]).mkdir(parents=True, exist_ok=True)
 
 
+def skip_inference_comm_op() -> None:
+    """On CPU, DeepSpeed's comm backend JIT-builds its shared-memory all-reduce op
+    (`deepspeed_shm_comm`, ~45 s of compiling per node on 2 cores), after probing every op
+    with compiler runs. Only `inference_all_reduce` uses it; training's collectives go
+    through torch.distributed. DeepSpeed caches that probe as the module attribute
+    `deepspeed.ops.__compatible_ops__`, read only by the comm backend (0.19.8), so filling
+    it in first, with the op marked unusable, skips both."""
+    import deepspeed.ops
+
+    if "__compatible_ops__" not in vars(deepspeed.ops):
+        deepspeed.ops.__compatible_ops__ = {"deepspeed_shm_comm": False}
+
+
 class DeepSpeedStrategy:
     name = "deepspeed"
     layout = "deepspeed/1"
@@ -72,6 +86,8 @@ class DeepSpeedStrategy:
             raise UserError(
                 "strategy deepspeed: the deepspeed package is not installed (use the trainer image)"
             ) from None
+        if self.device.type == "cpu":
+            skip_inference_comm_op()
         cfg = self.cfg
         # Adopt the process group Ray Train or torchrun made (gloo on CPU, nccl on GPU);
         # ZeRO-3's partitioned init reads the world size from deepspeed.comm.
