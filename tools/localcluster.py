@@ -135,14 +135,17 @@ class LocalCluster:
         self._saved_env.clear()
 
     def start(self, timeout: float = 180.0) -> LocalCluster:
-        from ray.cluster_utils import Cluster
-
         self.root = Path(tempfile.mkdtemp(prefix="rl-", dir=_short_temp_root()))
         self.temp_dir = self.root / "ray"
         self.temp_dir.mkdir()
         self.token_path.write_text(self.token)
         self.token_path.chmod(0o600)
+        # Before Ray's first import in this process: it reads the loopback-only setting
+        # then, and a process that imported it earlier reaches the cluster through the
+        # machine's outward address instead of 127.0.0.1 (a driver here then hangs).
         self._set_env()
+        from ray.cluster_utils import Cluster
+
         self.dashboard_port = self.dashboard_port or free_port()
         try:
             self._cluster = Cluster(

@@ -24,6 +24,7 @@ import shutil
 import tempfile
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,10 +89,52 @@ def read_chat_template(value: str | None) -> str | None:
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
+    if isinstance(tokenizer, TokenizerFiles):
+        return tokenizer.fingerprint()
     h = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
     template = getattr(tokenizer, "chat_template", None) or ""
     h.update(f"|eos={tokenizer.eos_token_id}|tpl={template}".encode())
     return h.hexdigest()[:16]
+
+
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+
+
+class TokenizerFiles:
+    """A tokenizer named by its files, loaded only when needed. The driver keys the token
+    cache by these files (every file of the tokenizer folder but weights, the special
+    tokens file) and the versions of the libraries that read them, which together fix the
+    loaded tokenizer: so a cache hit (every resubmission, every job on data seen before)
+    never imports transformers, ~4 s of the driver's start-up. A miss loads the tokenizer
+    and tokenizes with it."""
+
+    def __init__(self, folder: Path, special_tokens_file: str | None):
+        self.folder, self.special_tokens_file = Path(folder), special_tokens_file
+        self._loaded: Any = None
+
+    def fingerprint(self) -> str:
+        from importlib.metadata import version
+
+        h = hashlib.sha256(b"files|")
+        h.update(
+            f"transformers={version('transformers')}|tokenizers={version('tokenizers')}".encode()
+        )
+        if not self.folder.is_dir():
+            raise UserError(f"{self.folder}: cannot load a tokenizer: no such folder")
+        for path in sorted(self.folder.iterdir()):
+            if path.is_file() and not path.name.endswith(_WEIGHTS):
+                h.update(f"|{path.name}|".encode())
+                h.update(path.read_bytes())
+        if self.special_tokens_file:
+            h.update(b"|special|" + Path(self.special_tokens_file).read_bytes())
+        return h.hexdigest()[:16]
+
+    def load(self) -> Any:
+        if self._loaded is None:
+            from trainer.model import load_tokenizer
+
+            self._loaded = load_tokenizer(self.folder, self.special_tokens_file)
+        return self._loaded
 
 
 def source_fingerprint(src: SourceFile) -> str:
@@ -233,58 +276,92 @@ def tokenize_file(
     on_bytes: Callable[[int], None] | None = None,
 ) -> ShardStats:
     """Tokenize one input file into `<stem>.bin` (+ `<stem>.mask` if any token is out of
-    the loss) in `folder`. Memory: one batch of rows. Raises DataError with file:line."""
+    the loss) in `folder`. Raises DataError with file:line.
+
+    Reading and parsing rows (Python, holding the GIL) overlaps with encoding the batch
+    before (the Rust tokenizer releases the GIL and uses every core): one batch is encoded
+    in a helper thread while the next is read, so memory stays at two batches of rows."""
     enc = Encoder(tokenizer, settings)
-    dtype = token_dtype(tokenizer)
-    stats = ShardStats(file=stem, source=src.uri)
+    writer = _ShardWriter(folder, stem, token_dtype(tokenizer), settings, src.uri)
     report = ScanReport()
-    mask_path = folder / f"{stem}.mask"
-    with open(folder / f"{stem}.bin", "wb") as ids_out, open(mask_path, "wb") as mask_out:
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode") as pool:
+        pending: tuple[list[Example], Future] | None = None
+
+        def hand_over(batch: list[Example]) -> None:
+            nonlocal pending
+            if pending is not None:
+                done, encoded = pending
+                writer.add(encoded.result())
+                if on_bytes is not None:
+                    on_bytes(
+                        sum(len(e.text or "") + sum(len(c) for _, c in e.messages) for e in done)
+                    )
+            pending = (batch, pool.submit(enc.encode, batch)) if batch else None
+
         batch: list[Example] = []
-
-        def flush() -> None:
-            kept = []
-            for ids, mask in enc.encode(batch):
-                if len(ids) > settings.block_size:
-                    stats.long_rows += 1
-                    if settings.long_rows == "drop":
-                        stats.dropped_rows += 1
-                        continue
-                kept.append((ids, mask))
-            if not kept:
-                pass  # every row of the batch was dropped
-            elif not stats.masked and all(m is None for _, m in kept):
-                # Text only so far: no mask file (a pretraining corpus never pays for one).
-                flat = np.concatenate([np.asarray(ids, dtype=dtype) for ids, _ in kept])
-                ids_out.write(flat.tobytes())
-                stats.tokens += int(flat.size)
-            else:
-                if not stats.masked:  # the first masked row: everything before is in the loss
-                    stats.masked = True
-                    for done in range(0, stats.tokens, 1 << 24):
-                        mask_out.write(b"\x01" * min(1 << 24, stats.tokens - done))
-                ids_parts = [np.asarray(ids, dtype=dtype) for ids, _ in kept]
-                masks = [np.ones(len(i), np.uint8) if m is None else m for i, m in kept]
-                flat = np.concatenate(ids_parts)
-                ids_out.write(flat.tobytes())
-                mask_out.write(np.concatenate(masks).tobytes())
-                stats.tokens += int(flat.size)
-            if on_bytes is not None:
-                on_bytes(sum(len(e.text or "") + sum(len(c) for _, c in e.messages) for e in batch))
-            batch.clear()
-
-        for example in iter_examples(
-            src, settings.on_bad_line, report, settings.endpoint, settings.region
-        ):
-            batch.append(example)
-            if len(batch) == _BATCH_DOCS:
-                flush()
-        flush()
-    if not stats.masked:
-        mask_path.unlink()
+        try:
+            for example in iter_examples(
+                src, settings.on_bad_line, report, settings.endpoint, settings.region
+            ):
+                batch.append(example)
+                if len(batch) == _BATCH_DOCS:
+                    hand_over(batch)
+                    batch = []
+            hand_over(batch)
+            hand_over([])
+        finally:
+            if pending is not None:
+                pending[1].cancel()
+            writer.close()
+    stats = writer.stats
     stats.documents, stats.skipped = report.documents, report.skipped
     stats.first_skipped = report.first_skipped
     return stats
+
+
+class _ShardWriter:
+    """Appends encoded rows to a shard's `.bin` (and `.mask`, once a row is masked)."""
+
+    def __init__(self, folder: Path, stem: str, dtype: Any, settings: Settings, source: str):
+        self.dtype, self.settings = dtype, settings
+        self.stats = ShardStats(file=stem, source=source)
+        self.mask_path = folder / f"{stem}.mask"
+        self.ids_out = open(folder / f"{stem}.bin", "wb")  # noqa: SIM115 (closed in close())
+        self.mask_out = open(self.mask_path, "wb")  # noqa: SIM115
+
+    def add(self, encoded: list[tuple[list[int], np.ndarray | None]]) -> None:
+        stats, settings, dtype = self.stats, self.settings, self.dtype
+        kept = []
+        for ids, mask in encoded:
+            if len(ids) > settings.block_size:
+                stats.long_rows += 1
+                if settings.long_rows == "drop":
+                    stats.dropped_rows += 1
+                    continue
+            kept.append((ids, mask))
+        if not kept:
+            return  # every row of the batch was dropped
+        if not stats.masked and all(m is None for _, m in kept):
+            # Text only so far: no mask file (a pretraining corpus never pays for one).
+            flat = np.concatenate([np.asarray(ids, dtype=dtype) for ids, _ in kept])
+            self.ids_out.write(flat.tobytes())
+            stats.tokens += int(flat.size)
+            return
+        if not stats.masked:  # the first masked row: everything before is in the loss
+            stats.masked = True
+            for done in range(0, stats.tokens, 1 << 24):
+                self.mask_out.write(b"\x01" * min(1 << 24, stats.tokens - done))
+        masks = [np.ones(len(i), np.uint8) if m is None else m for i, m in kept]
+        flat = np.concatenate([np.asarray(ids, dtype=dtype) for ids, _ in kept])
+        self.ids_out.write(flat.tobytes())
+        self.mask_out.write(np.concatenate(masks).tobytes())
+        stats.tokens += int(flat.size)
+
+    def close(self) -> None:
+        self.ids_out.close()
+        self.mask_out.close()
+        if not self.stats.masked:
+            self.mask_path.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- the cache
@@ -407,13 +484,15 @@ def prepare(
     local loop for another engine (trainer.distdata: Ray Data across the cluster)."""
     spec = str(data)
     settings = settings or Settings(append_eos=append_eos, on_bad_line=on_bad_line)
-    if settings.append_eos and tokenizer.eos_token_id is None:
-        raise UserError("the tokenizer has no EOS token; add one or set data.append_eos: false")
     sources = list_sources(spec, settings.endpoint, settings.region)
     out = cache_dir_for(spec, sources, cache_root, cache_key(sources, tokenizer, settings))
     if (out / "manifest.json").exists():
         log.info("using tokenized cache %s", out)
         return TokenCache(out)
+    if isinstance(tokenizer, TokenizerFiles):
+        tokenizer = tokenizer.load()
+    if settings.append_eos and tokenizer.eos_token_id is None:
+        raise UserError("the tokenizer has no EOS token; add one or set data.append_eos: false")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
     try:

@@ -28,9 +28,10 @@ log = logging.getLogger("trainer.launch")
 def prepare_inputs(cfg: JobConfig, progress: bool = True) -> Prepared:
     """Resolve model/tokenizer folders (downloading S3 ones to this node) and tokenize the
     data into caches next to it, which every worker then memory-maps."""
-    from trainer.model import load_tokenizer, local_tokenizer_dir
+    from trainer.data import TokenizerFiles
+    from trainer.model import local_tokenizer_dir
 
-    tokenizer = load_tokenizer(local_tokenizer_dir(cfg), cfg.model.special_tokens)
+    tokenizer = TokenizerFiles(local_tokenizer_dir(cfg), cfg.model.special_tokens)
     settings = data_settings(cfg)
     common = dict(cache_root=cfg.data.cache_dir, progress=progress, settings=settings)
     if _tokenize_on_cluster(cfg):

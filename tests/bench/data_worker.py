@@ -45,8 +45,10 @@ def reads(model: str, corpus: str, block: int, workdir: str) -> int:
 
 
 def on_ray(model: str, corpus: str, block: int, workdir: str, nodes: int) -> tuple[int, float]:
-    import ray
-
+    # `ray` is imported only once the cluster has set its loopback-only environment: Ray
+    # reads that setting on import, and a driver that imported it earlier reaches the
+    # cluster through the machine's outward address (and hangs where that is not served).
+    assert "ray" not in sys.modules
     from tools.localcluster import LocalCluster
     from trainer.data import PackedBlocks, prepare
     from trainer.distdata import tokenize_on_cluster
@@ -60,6 +62,9 @@ def on_ray(model: str, corpus: str, block: int, workdir: str, nodes: int) -> tup
         for _ in range(nodes):
             cluster.add_node(num_cpus=1)
         cluster.wait_nodes(nodes + 1)
+        import ray
+
+        assert cluster.address.startswith("127.0.0.1:"), cluster.address
         ray.init(address=cluster.address, log_to_driver=False)
         try:
             t0 = time.perf_counter()

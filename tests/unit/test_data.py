@@ -10,6 +10,7 @@ import pytest
 from trainer.data import (
     BatchPlan,
     PackedBlocks,
+    TokenizerFiles,
     eval_indices,
     load_special_tokens,
     prepare,
@@ -95,6 +96,42 @@ def test_cache_is_reused_and_invalidated(tmp_path, tokenizer, monkeypatch):
     assert sum(encoded) == 21
     # No temp folders are left behind next to the caches.
     assert not [p for p in first.dir.parent.iterdir() if ".tmp-" in p.name]
+
+
+def test_tokenizer_files_key_the_cache_and_a_hit_never_loads_transformers(tmp_path, tiny):
+    """The driver names the tokenizer by its files: a miss loads it and tokenizes exactly
+    as the loaded tokenizer does; a hit (a fresh process, as every resubmission is) does not
+    import transformers; a changed tokenizer file or special-tokens file is a miss."""
+    import shutil
+    import subprocess
+    import sys
+
+    folder = tmp_path / "tok"
+    shutil.copytree(tiny["model"], folder)
+    special = tmp_path / "tokens.json"
+    shutil.copy(tiny["tokens"], special)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"input": "<START_Q>Ana has 3 pens.<END_Q>"}] * 5)
+    files = TokenizerFiles(folder, str(special))
+    first = prepare(data, files, progress=False)
+    loaded = prepare(data, load_tokenizer(folder, str(special)), progress=False)
+    assert np.array_equal(first.tokens(), loaded.tokens())
+
+    probe = (
+        "import sys; from trainer.data import TokenizerFiles, prepare; "
+        f"c = prepare({str(data)!r}, TokenizerFiles({str(folder)!r}, {str(special)!r}), "
+        "progress=False); print(c.dir, 'transformers' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == [str(first.dir), "False"]
+
+    tokens = json.loads(special.read_text())["tokens"]
+    special.write_text(json.dumps({"tokens": [*tokens, "<EXTRA>"]}))
+    assert prepare(data, TokenizerFiles(folder, str(special)), progress=False).dir != first.dir
+    config = folder / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("{", '{"model_max_length": 77, ', 1))
+    assert len({prepare(data, TokenizerFiles(folder, None), progress=False).dir, first.dir}) == 2
 
 
 def test_packed_blocks(tmp_path, tokenizer):

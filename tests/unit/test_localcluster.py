@@ -21,3 +21,21 @@ def test_deep_tmpdir_falls_back_so_sockets_fit(monkeypatch):
     assert _root_for(deep, monkeypatch) == "/tmp"
     longest = "/tmp/rl-velap114/ray/session_2026-11-22_18-41-04_398256_7636/sockets/plasma_store"
     assert len(longest) <= localcluster.SOCKET_PATH_MAX
+
+
+def test_a_process_that_starts_a_cluster_stays_on_loopback():
+    """Ray reads its loopback-only setting when first imported: LocalCluster sets it before
+    importing Ray, so a driver in the same process (the data benchmark's) connects to
+    127.0.0.1, not to the machine's outward address (where it hung). Checked on the
+    setting Ray's address resolution reads, so a failure sends no traffic anywhere."""
+    import subprocess
+    import sys
+
+    probe = (
+        "from tools.localcluster import LocalCluster\n"
+        "with LocalCluster(num_cpus=0) as c:\n"
+        "    from ray._private import ray_constants\n"
+        "    print(ray_constants.ENABLE_RAY_CLUSTER, c.address.split(':')[0])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=180)
+    assert out.stdout.split() == ["False", "127.0.0.1"], out.stderr[-2000:]
