@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 CACHE_VERSION = 2
 IGNORE = -100  # the label Hugging Face's loss skips
 _BATCH_DOCS = 2048
+_BATCH_CHARS = 1 << 20
+"""A batch of rows is encoded at once: at most 2048 rows and about 1M characters, so the
+memory in flight (two batches: one encoding while the next is read) is bounded by the
+text, whether a corpus has short rows or whole books, and not by the size of its files."""
 
 
 # ---------------------------------------------------------------- settings and cache key
@@ -293,20 +297,20 @@ def tokenize_file(
                 done, encoded = pending
                 writer.add(encoded.result())
                 if on_bytes is not None:
-                    on_bytes(
-                        sum(len(e.text or "") + sum(len(c) for _, c in e.messages) for e in done)
-                    )
+                    on_bytes(sum(_chars(e) for e in done))
             pending = (batch, pool.submit(enc.encode, batch)) if batch else None
 
         batch: list[Example] = []
+        chars = 0
         try:
             for example in iter_examples(
                 src, settings.on_bad_line, report, settings.endpoint, settings.region
             ):
                 batch.append(example)
-                if len(batch) == _BATCH_DOCS:
+                chars += _chars(example)
+                if len(batch) == _BATCH_DOCS or chars >= _BATCH_CHARS:
                     hand_over(batch)
-                    batch = []
+                    batch, chars = [], 0
             hand_over(batch)
             hand_over([])
         finally:
@@ -317,6 +321,10 @@ def tokenize_file(
     stats.documents, stats.skipped = report.documents, report.skipped
     stats.first_skipped = report.first_skipped
     return stats
+
+
+def _chars(example: Example) -> int:
+    return len(example.text or "") + sum(len(c) for _, c in example.messages)
 
 
 class _ShardWriter:
