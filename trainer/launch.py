@@ -209,6 +209,7 @@ def _worker_env() -> dict[str, str]:
         "DS_ACCELERATOR",
         "TORCH_EXTENSIONS_DIR",
         "RAYLIFT_FAULT_UPLOAD_PAUSE_S",
+        "RAYLIFT_FAULT_KILL_AFTER_STEP",
     )
     return {k: os.environ[k] for k in keep if k in os.environ}
 

@@ -10,8 +10,10 @@ import functools
 import json
 import logging
 import math
+import os
 import random
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -358,6 +360,8 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         finally:
             if ckpt_dir is not None and not owned:
                 shutil.rmtree(ckpt_dir, ignore_errors=True)
+        if ckpt_dir is not None:
+            _drill_kill(rt, done, start)
         if emergency:
             assert preempted is not None
             took = time.monotonic() - saving
@@ -389,6 +393,22 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         rt.journal.add("finished" if end == steps else "stopped", step=end)
     rt.release_fetched()
     return last
+
+
+def _drill_kill(rt: Runtime, done: int, start: int) -> None:
+    """Fault drill: with RAYLIFT_FAULT_KILL_AFTER_STEP=N, once every rank has reported step
+    N's checkpoint, the last rank SIGKILLs itself, as a spot reclaim or an OOM kill would.
+    Only an attempt that started before N does it, so the restarted group (resuming from N)
+    trains on. With checkpoint.upload: sync the checkpoint of N is complete by then."""
+    at = os.environ.get("RAYLIFT_FAULT_KILL_AFTER_STEP", "")
+    if not at or int(at) != done or start >= done:
+        return
+    rt.barrier()
+    if rt.rank == rt.world_size - 1:
+        log.warning("RAYLIFT_FAULT_KILL_AFTER_STEP: killing rank %d after step %d", rt.rank, done)
+        for handler in logging.getLogger().handlers + log.handlers:
+            handler.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _export(rt: Runtime, strategy: Strategy, tokenizer: Any, step: int) -> None:

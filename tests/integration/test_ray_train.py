@@ -24,15 +24,15 @@ from trainer.storage import resolve
 pytestmark = pytest.mark.slow
 
 
-def launch(cluster, job_path: Path, overrides: list[str] | None = None):
+def launch(cluster, job_path: Path, overrides: list[str] | None = None, env=None):
     cfg = submit.absolutize(load_config(job_path, overrides or []), Path.cwd())
     run_all(cfg, strict=True)
-    client, job_id = submit.submit(cfg, cluster.dashboard_url)
+    client, job_id = submit.submit(cfg, cluster.dashboard_url, env_vars=env)
     return cfg, client, job_id
 
 
-def run_to_end(cluster, job_path: Path, overrides: list[str] | None = None):
-    cfg, client, job_id = launch(cluster, job_path, overrides)
+def run_to_end(cluster, job_path: Path, overrides: list[str] | None = None, env=None):
+    cfg, client, job_id = launch(cluster, job_path, overrides, env)
     status, summary = submit.follow(client, job_id, progress=False)
     logs = client.get_job_logs(job_id)
     assert status == "SUCCEEDED", logs[-4000:]

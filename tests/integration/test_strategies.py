@@ -1,6 +1,7 @@
 """Every strategy and adapter through the production path: real Ray Train runs on the local
 cluster (2 CPU workers, gloo, tiny Llama). One combined run per strategy where possible:
-stop part way, resume, finish, then check the export with plain transformers / peft."""
+a worker is killed part way, Ray Train restarts the group, it resumes and finishes; then
+the export is checked with plain transformers / peft."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 from tests.integration.test_ray_train import history, run_to_end
+from trainer import journal
+from trainer.storage import resolve
 
 pytestmark = pytest.mark.slow
 
@@ -107,18 +110,36 @@ def ddp_losses(ddp_reference):
     return _losses(history(ddp_reference["cfg"])[1])
 
 
-def _stop_resume_export(ray_cluster, path, reference, resume_overrides=(), stop=True):
-    """Stop at step 6, resume to 12 (a fresh submission), then check the lineage, the
-    loss curve against the reference, and that the export reproduces the trained logits.
-    With stop=False the run goes straight to 12 (one Ray job instead of two)."""
+KILL_AT = 8
+"""The kill drill's step: the last rank SIGKILLs itself once every rank has reported step
+8's checkpoint (every 4 steps; uploaded synchronously, so it is complete). Ray Train
+restarts the worker group in the same job, and it resumes from 8."""
+
+
+def _stop_resume_export(ray_cluster, path, reference, resume_overrides=(), how="kill"):
+    """how="kill": one Ray job whose worker is SIGKILLed after step 8 and that Ray restarts
+    from the step-8 checkpoint (a restart inside a job costs a new worker group, not a new
+    job). how="stop": stop at step 6, then resume to 12 in a fresh submission (with
+    `resume_overrides`). Then check the lineage, the loss curve against the reference,
+    and that the export reproduces the trained logits."""
     from transformers import AutoModelForCausalLM
 
-    if stop:
+    if how == "stop":
         run_to_end(ray_cluster, path, ["train.stop_at_step=6"])
-    cfg, summary, _ = run_to_end(ray_cluster, path, list(resume_overrides))
+        cfg, summary, _ = run_to_end(ray_cluster, path, list(resume_overrides))
+    else:
+        cfg, summary, _ = run_to_end(
+            ray_cluster,
+            path,
+            ["checkpoint.upload=sync", *resume_overrides],
+            env={"RAYLIFT_FAULT_KILL_AFTER_STEP": str(KILL_AT)},
+        )
     records, steps, wasted = history(cfg)
     resumes = [r["from_step"] for r in records if r.get("event") == "resume"]
-    assert resumes == ([6] if stop else [])
+    assert resumes == ([6] if how == "stop" else [KILL_AT])
+    if how == "kill":
+        failures = [r for r in journal.read(resolve(str(Path(cfg.storage.path) / cfg.run.name)))]
+        assert [f["cause"] for f in failures if f["event"] == "failure"] == ["worker_died"]
     assert [r["step"] for r in steps] == list(range(1, 13)) and wasted == 0
     for step, (want, got) in enumerate(zip(reference, _losses(steps), strict=True), start=1):
         assert got == pytest.approx(want, abs=LOSS_TOL), step
@@ -137,7 +158,7 @@ def test_fsdp_matches_ddp_resumes_on_one_worker_and_exports(ray_cluster, job, dd
     export reproduces the trained model's logits with plain transformers."""
     path = job("fsdp", strategy={"name": "fsdp"})
     _, run_dir = _stop_resume_export(
-        ray_cluster, path, ddp_losses, ["scaling.num_workers=1", "train.grad_accum=2"]
+        ray_cluster, path, ddp_losses, ["scaling.num_workers=1", "train.grad_accum=2"], "stop"
     )
     state = json.loads((run_dir / "step_00000012" / "trainer_state.json").read_text())
     assert (state["strategy"], state["layout"], state["world_size"]) == ("fsdp", "dcp/1", 1)
@@ -146,17 +167,14 @@ def test_fsdp_matches_ddp_resumes_on_one_worker_and_exports(ray_cluster, job, dd
     # tests/unit/test_checkpoint.py; a job error reaching the user is test_ray_train's.)
 
 
-@pytest.mark.parametrize(("config", "stop"), [("zero2", False), ("zero3_offload", True)])
-def test_deepspeed_stop_resume_export(ray_cluster, job, ddp_losses, config, stop):
-    """ZeRO-2, and ZeRO-3 with CPU optimizer/parameter offload, from the shipped stock JSON
-    files with "auto" values: same curve as DDP, exact resume from DeepSpeed's own
-    checkpoint, and a gathered 16-bit export that reproduces the logits. ZeRO-2 runs
-    straight: our checkpoint code is the same DeepSpeed save/load for every stage, and its
-    exact resume is checked on the hardest one. Plain ZeRO-3 is the offload run without
-    the offload (the same partitioned init, gather and export), so it has no run of its
-    own; its shipped JSON is checked in tests/unit/test_dsconfig.py."""
+@pytest.mark.parametrize("config", ["zero2", "zero3", "zero3_offload"])
+def test_deepspeed_kill_resume_export(ray_cluster, job, ddp_losses, config):
+    """ZeRO-2, ZeRO-3 and ZeRO-3 with CPU optimizer/parameter offload, from the shipped
+    stock JSON files with "auto" values: same curve as DDP, a worker SIGKILLed after step
+    8 and the group resumed exactly from DeepSpeed's own checkpoint, and a gathered 16-bit
+    export that reproduces the logits."""
     path = job(f"ds-{config}", strategy={"name": "deepspeed", "config": config})
-    _, run_dir = _stop_resume_export(ray_cluster, path, ddp_losses, stop=stop)
+    _, run_dir = _stop_resume_export(ray_cluster, path, ddp_losses)
     state = json.loads((run_dir / "step_00000012" / "trainer_state.json").read_text())
     assert (state["strategy"], state["layout"]) == ("deepspeed", "deepspeed/1")
     assert (run_dir / "step_00000012" / "strategy" / "ds" / "state").is_dir()
@@ -186,14 +204,21 @@ def _peft_model(run_dir: Path, export: Path, base: Path, quantized: bool) -> Any
 
 
 def test_lora_adapter_and_merged_exports_reproduce_logits(ray_cluster, job, tiny):
-    """One straight run (the adapter's stop/resume exactness is the QLoRA test's: the same
-    adapter checkpoint code, plus quantization): the adapter folder on the base model and
-    the merged export both reproduce the trained logits."""
+    """A run whose worker is killed after step 8 resumes from the adapter checkpoint (its
+    exactness against a straight run is the QLoRA test's: the same adapter checkpoint code,
+    plus quantization); the adapter folder on the base model and the merged export both
+    reproduce the trained logits."""
     from transformers import AutoModelForCausalLM
 
     lora = {"adapter": "lora", "lora": {"merge_on_export": True}}
-    cfg, summary, _ = run_to_end(ray_cluster, job("lora", model=lora, optim={"lr": 1e-2}))
-    _, steps, wasted = history(cfg)
+    cfg, summary, _ = run_to_end(
+        ray_cluster,
+        job("lora", model=lora, optim={"lr": 1e-2}),
+        ["checkpoint.upload=sync"],
+        env={"RAYLIFT_FAULT_KILL_AFTER_STEP": str(KILL_AT)},
+    )
+    records, steps, wasted = history(cfg)
+    assert [r["from_step"] for r in records if r.get("event") == "resume"] == [KILL_AT]
     assert [r["step"] for r in steps] == list(range(1, 13)) and wasted == 0
     _lowered(steps, 1.0)
 
@@ -211,19 +236,25 @@ def test_lora_adapter_and_merged_exports_reproduce_logits(ray_cluster, job, tiny
 
 def test_qlora_eval_mid_training_changes_nothing_and_resume_is_exact(ray_cluster, job, tiny):
     """bitsandbytes 0.50.2 rewrites Linear4bit weights in place when they run in eval mode
-    on avx512_bf16 CPUs. Run A evaluates every 2 steps, stops at 6 and resumes; run B never
-    evaluates and runs straight: their training losses must be identical."""
+    on avx512_bf16 CPUs. Run A evaluates every 2 steps and has a worker killed after step 8
+    (Ray restarts the group from that checkpoint); run B never evaluates and runs straight:
+    their training losses must be identical."""
     qlora = {"adapter": "qlora"}
     optim = {"lr": 1e-2, "name": "adamw8bit"}
     path_a = job("qlora-a", model=qlora, optim=optim, train={"eval_every": 2})
-    run_to_end(ray_cluster, path_a, ["train.stop_at_step=6"])
-    cfg_a, summary, _ = run_to_end(ray_cluster, path_a)
+    cfg_a, summary, _ = run_to_end(
+        ray_cluster,
+        path_a,
+        ["checkpoint.upload=sync"],
+        env={"RAYLIFT_FAULT_KILL_AFTER_STEP": str(KILL_AT)},
+    )
     cfg_b, _, _ = run_to_end(
         ray_cluster,
         job("qlora-b", model=qlora, optim=optim, data={"eval_file": None}),
     )
-    _, with_eval, _ = history(cfg_a)
+    records, with_eval, _ = history(cfg_a)
     _, without, _ = history(cfg_b)
+    assert [r["from_step"] for r in records if r.get("event") == "resume"] == [KILL_AT]
     assert [r["step"] for r in with_eval if "eval_loss" in r] == [2, 4, 6, 8, 10, 12]
     assert not any("eval_loss" in r for r in without)
     for a, b in zip(without, with_eval, strict=True):
