@@ -278,13 +278,16 @@ def tokenize_file(
     tokenizer: Any,
     settings: Settings,
     on_bytes: Callable[[int], None] | None = None,
+    overlap: bool = True,
 ) -> ShardStats:
     """Tokenize one input file into `<stem>.bin` (+ `<stem>.mask` if any token is out of
     the loss) in `folder`. Raises DataError with file:line.
 
-    Reading and parsing rows (Python, holding the GIL) overlaps with encoding the batch
-    before (the Rust tokenizer releases the GIL and uses every core): one batch is encoded
-    in a helper thread while the next is read, so memory stays at two batches of rows."""
+    With `overlap`, reading and parsing rows (Python, holding the GIL) overlaps with
+    encoding the batch before (the Rust tokenizer releases the GIL and uses every core):
+    one batch is encoded in a helper thread while the next is read, so memory stays at two
+    batches of rows. Without it (a cluster task that was given one CPU) every step runs in
+    the calling thread."""
     enc = Encoder(tokenizer, settings)
     writer = _ShardWriter(folder, stem, token_dtype(tokenizer), settings, src.uri)
     report = ScanReport()
@@ -298,7 +301,14 @@ def tokenize_file(
                 writer.add(encoded.result())
                 if on_bytes is not None:
                     on_bytes(sum(_chars(e) for e in done))
-            pending = (batch, pool.submit(enc.encode, batch)) if batch else None
+            pending = (batch, encode(batch)) if batch else None
+
+        def encode(batch: list[Example]) -> Future:
+            if overlap:
+                return pool.submit(enc.encode, batch)
+            done: Future = Future()
+            done.set_result(enc.encode(batch))
+            return done
 
         batch: list[Example] = []
         chars = 0

@@ -42,7 +42,10 @@ def _tokenize_row(
     src = SourceFile(row["uri"], row["size"], row["mtime_ns"])
     out: dict[str, Any] = {"index": row["index"], "error": "", "stats": ""}
     try:
-        stats = tokenize_file(src, f"shard-{row['index']:05d}", Path(folder), tokenizer, settings)
+        # One CPU per task, so one thread of work: no reading ahead in a second thread.
+        stats = tokenize_file(
+            src, f"shard-{row['index']:05d}", Path(folder), tokenizer, settings, overlap=False
+        )
         out["stats"] = _dump(stats)
     except UserError as exc:  # a bad row, or a chat row with no template: one line
         out["error"] = str(exc)

@@ -267,3 +267,33 @@ def test_cluster_tokenizing_is_chosen_for_many_files_on_ray(tmp_path, monkeypatc
         load_config(base, [f"data.train_file={one}", "data.tokenize_on=cluster"])
     )
     assert not _tokenize_on_cluster(load_config(base, ["data.tokenize_on=driver"]))
+
+
+@pytest.mark.parametrize("bound", ["_BATCH_DOCS", "_BATCH_CHARS"])
+def test_batches_and_the_read_ahead_thread_change_no_byte(tmp_path, tokenizer, monkeypatch, bound):
+    """Batches cut by rows or by characters, encoded in a helper thread while the next is
+    read (the driver) or inline (a one-CPU cluster task): the same shard bytes and mask."""
+    import trainer.data as data_mod
+    from trainer.sources import list_sources
+
+    data = write(tmp_path / "mixed.jsonl", [*ROWS, *CHAT, *ROWS[:7]])
+    (src,) = list_sources(str(data))
+    settings = Settings(chat_template=TEMPLATE)
+    out = {}
+    for name, small, overlap in (
+        ("whole", False, True),
+        ("ahead", True, True),
+        ("inline", True, False),
+    ):
+        if small:
+            monkeypatch.setattr(data_mod, bound, 5 if bound == "_BATCH_DOCS" else 200)
+        folder = tmp_path / name
+        folder.mkdir()
+        stats = data_mod.tokenize_file(src, "s", folder, tokenizer, settings, overlap=overlap)
+        out[name] = (
+            (folder / "s.bin").read_bytes(),
+            (folder / "s.mask").read_bytes(),
+            stats.documents,
+        )
+    assert out["whole"] == out["ahead"] == out["inline"]
+    assert out["whole"][2] == len(ROWS) + len(CHAT) + 7
