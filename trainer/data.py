@@ -292,16 +292,16 @@ def tokenize_file(
     writer = _ShardWriter(folder, stem, token_dtype(tokenizer), settings, src.uri)
     report = ScanReport()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode") as pool:
-        pending: tuple[list[Example], Future] | None = None
+        pending: tuple[int, Future] | None = None  # (its characters, its encoding)
 
-        def hand_over(batch: list[Example]) -> None:
+        def hand_over(batch: list[Example], chars: int) -> None:
             nonlocal pending
             if pending is not None:
-                done, encoded = pending
+                done_chars, encoded = pending
                 writer.add(encoded.result())
                 if on_bytes is not None:
-                    on_bytes(sum(_chars(e) for e in done))
-            pending = (batch, encode(batch)) if batch else None
+                    on_bytes(done_chars)
+            pending = (chars, encode(batch)) if batch else None
 
         def encode(batch: list[Example]) -> Future:
             if overlap:
@@ -319,10 +319,10 @@ def tokenize_file(
                 batch.append(example)
                 chars += _chars(example)
                 if len(batch) == _BATCH_DOCS or chars >= _BATCH_CHARS:
-                    hand_over(batch)
+                    hand_over(batch, chars)
                     batch, chars = [], 0
-            hand_over(batch)
-            hand_over([])
+            hand_over(batch, chars)
+            hand_over([], 0)
         finally:
             if pending is not None:
                 pending[1].cancel()

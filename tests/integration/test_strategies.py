@@ -116,6 +116,17 @@ KILL_AT = 8
 restarts the worker group in the same job, and it resumes from 8."""
 
 
+def _run_killed(ray_cluster, path, overrides=()):
+    """One Ray job whose last rank is SIGKILLed after step KILL_AT's checkpoint (uploaded
+    synchronously, so complete); Ray Train restarts the group and it resumes from there."""
+    return run_to_end(
+        ray_cluster,
+        path,
+        ["checkpoint.upload=sync", *overrides],
+        env={"RAYLIFT_FAULT_KILL_AFTER_STEP": str(KILL_AT)},
+    )
+
+
 def _stop_resume_export(ray_cluster, path, reference, resume_overrides=(), how="kill"):
     """how="kill": one Ray job whose worker is SIGKILLed after step 8 and that Ray restarts
     from the step-8 checkpoint (a restart inside a job costs a new worker group, not a new
@@ -128,18 +139,13 @@ def _stop_resume_export(ray_cluster, path, reference, resume_overrides=(), how="
         run_to_end(ray_cluster, path, ["train.stop_at_step=6"])
         cfg, summary, _ = run_to_end(ray_cluster, path, list(resume_overrides))
     else:
-        cfg, summary, _ = run_to_end(
-            ray_cluster,
-            path,
-            ["checkpoint.upload=sync", *resume_overrides],
-            env={"RAYLIFT_FAULT_KILL_AFTER_STEP": str(KILL_AT)},
-        )
+        cfg, summary, _ = _run_killed(ray_cluster, path, resume_overrides)
     records, steps, wasted = history(cfg)
     resumes = [r["from_step"] for r in records if r.get("event") == "resume"]
     assert resumes == ([6] if how == "stop" else [KILL_AT])
     if how == "kill":
-        failures = [r for r in journal.read(resolve(str(Path(cfg.storage.path) / cfg.run.name)))]
-        assert [f["cause"] for f in failures if f["event"] == "failure"] == ["worker_died"]
+        records = journal.read(resolve(str(Path(cfg.storage.path) / cfg.run.name)))
+        assert [r["cause"] for r in records if r["event"] == "failure"] == ["worker_died"]
     assert [r["step"] for r in steps] == list(range(1, 13)) and wasted == 0
     for step, (want, got) in enumerate(zip(reference, _losses(steps), strict=True), start=1):
         assert got == pytest.approx(want, abs=LOSS_TOL), step
@@ -211,12 +217,7 @@ def test_lora_adapter_and_merged_exports_reproduce_logits(ray_cluster, job, tiny
     from transformers import AutoModelForCausalLM
 
     lora = {"adapter": "lora", "lora": {"merge_on_export": True}}
-    cfg, summary, _ = run_to_end(
-        ray_cluster,
-        job("lora", model=lora, optim={"lr": 1e-2}),
-        ["checkpoint.upload=sync"],
-        env={"RAYLIFT_FAULT_KILL_AFTER_STEP": str(KILL_AT)},
-    )
+    cfg, summary, _ = _run_killed(ray_cluster, job("lora", model=lora, optim={"lr": 1e-2}))
     records, steps, wasted = history(cfg)
     assert [r["from_step"] for r in records if r.get("event") == "resume"] == [KILL_AT]
     assert [r["step"] for r in steps] == list(range(1, 13)) and wasted == 0
@@ -242,12 +243,7 @@ def test_qlora_eval_mid_training_changes_nothing_and_resume_is_exact(ray_cluster
     qlora = {"adapter": "qlora"}
     optim = {"lr": 1e-2, "name": "adamw8bit"}
     path_a = job("qlora-a", model=qlora, optim=optim, train={"eval_every": 2})
-    cfg_a, summary, _ = run_to_end(
-        ray_cluster,
-        path_a,
-        ["checkpoint.upload=sync"],
-        env={"RAYLIFT_FAULT_KILL_AFTER_STEP": str(KILL_AT)},
-    )
+    cfg_a, summary, _ = _run_killed(ray_cluster, path_a)
     cfg_b, _, _ = run_to_end(
         ray_cluster,
         job("qlora-b", model=qlora, optim=optim, data={"eval_file": None}),
