@@ -50,16 +50,26 @@ def setup_logging(debug: bool = False, ray_worker: bool = False) -> None:
         root.setLevel(logging.DEBUG if level == logging.DEBUG else logging.WARNING)
         if not root.handlers:
             root.addHandler(logging.StreamHandler())
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
+    _no_library_progress_bars()
     for noisy in ("urllib3", "filelock", "httpx", "botocore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if ray_worker:
         _quiet_ray_train_reports()
+
+
+def _no_library_progress_bars() -> None:
+    """No per-file download/load bars from Hugging Face's libraries (ours are enough).
+    Through the environment variable they read when first imported, so this costs no
+    import: a job driver that finds its token cache never loads transformers (~2 s);
+    libraries a process already imported are told directly."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None:
+        hf_logging.disable_progress_bar()
+    elif "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
 
 
 def _quiet_ray_train_reports() -> None:
