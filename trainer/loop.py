@@ -360,8 +360,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         finally:
             if ckpt_dir is not None and not owned:
                 shutil.rmtree(ckpt_dir, ignore_errors=True)
-        if ckpt_dir is not None:
-            _drill_kill(rt, done, start)
+        _drill_kill(rt, done, metrics_file, device)
         if emergency:
             assert preempted is not None
             took = time.monotonic() - saving
@@ -395,20 +394,30 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     return last
 
 
-def _drill_kill(rt: Runtime, done: int, start: int) -> None:
-    """Fault drill: with RAYLIFT_FAULT_KILL_AFTER_STEP=N, once every rank has reported step
-    N's checkpoint, the last rank SIGKILLs itself, as a spot reclaim or an OOM kill would.
-    Only an attempt that started before N does it, so the restarted group (resuming from N)
-    trains on. With checkpoint.upload: sync the checkpoint of N is complete by then."""
+def _drill_kill(rt: Runtime, done: int, metrics_file: Any, device: torch.device) -> None:
+    """Fault drill: with RAYLIFT_FAULT_KILL_AFTER_STEP=N, the first attempt's last rank
+    SIGKILLs itself once every rank has finished step N (its checkpoint reported, when N
+    is a checkpoint step), as a spot reclaim or an OOM kill would. Ray restarts the group
+    from the newest complete checkpoint (with checkpoint.upload: sync, N's own when N is
+    a checkpoint step); between checkpoints the steps since then are trained again, which
+    lets a test compare them with the first attempt's. The metrics are flushed first, so
+    that comparison has both. N must be a logged step (train.log_every)."""
     at = os.environ.get("RAYLIFT_FAULT_KILL_AFTER_STEP", "")
-    if not at or int(at) != done or start >= done:
+    if not at or int(at) != done:
         return
-    rt.barrier()
+    first = rt.rank == 0 and metrics_file is not None and metrics_file.attempt == 1
+    if rt.rank == 0 and metrics_file is not None:
+        metrics_file.flush()
+    # Rank 0 knows which attempt this is; every rank must agree on whether to stop.
+    (first_attempt,) = _all_reduce_sum([float(first)], device, rt.world_size)
+    if not first_attempt:
+        return
     if rt.rank == rt.world_size - 1:
         log.warning("RAYLIFT_FAULT_KILL_AFTER_STEP: killing rank %d after step %d", rt.rank, done)
         for handler in logging.getLogger().handlers + log.handlers:
             handler.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+    rt.barrier()  # the others wait here for the collective that fails
 
 
 def _export(rt: Runtime, strategy: Strategy, tokenizer: Any, step: int) -> None:
