@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.integration.test_ray_train import history, run_to_end
+from tests.integration.test_ray_train import history, retrained, run_killed
 from trainer.data import IGNORE, PackedBlocks, Settings, TokenCache, prepare
 from trainer.model import load_tokenizer
 
@@ -128,8 +128,6 @@ def test_sharded_s3_chat_run_resumes_exactly_and_matches_the_local_file(
     shards on both nodes into the same tokens and loss masks as the local file gives; the
     last rank is killed after step 5 and Ray restarts the group from the step-3 checkpoint
     in the bucket, so steps 4 and 5 are trained twice, identically."""
-    from tests.integration.test_strategies import retrained
-
     rows, local, template = corpus
     spec = upload_shards(s3_server, "train", rows)
     data = {"block_size": 32, "chat_template": str(template), "eval_file": None}
@@ -143,7 +141,7 @@ def test_sharded_s3_chat_run_resumes_exactly_and_matches_the_local_file(
         train={"max_steps": 6, "eval_every": None, "log_every": 1},
         checkpoint={"every_steps": 3, "keep_last": 1, "upload": "sync"},
     )
-    cfg, summary, _ = run_to_end(ray_cluster, path, env={"RAYLIFT_FAULT_KILL_AFTER_STEP": "5"})
+    cfg, summary, _ = run_killed(ray_cluster, path, 5)
     listed = s3_server["client"].list_objects_v2(Bucket="ckpt", Prefix="runs/data-s3/")
     keys = {o["Key"] for o in listed["Contents"]}
     for key in (

@@ -39,6 +39,18 @@ def run_to_end(cluster, job_path: Path, overrides: list[str] | None = None, env=
     return cfg, summary, logs
 
 
+def run_killed(cluster, job_path: Path, at: int, overrides: list[str] | None = None):
+    """One Ray job whose last rank the fault drill SIGKILLs after step `at` (first attempt
+    only); Ray Train restarts the group from the newest complete checkpoint."""
+    return run_to_end(cluster, job_path, overrides, env={"RAYLIFT_FAULT_KILL_AFTER_STEP": str(at)})
+
+
+def retrained(records: list[dict[str, Any]], steps: list[int]) -> list[tuple[float, float]]:
+    """(first attempt's loss, second attempt's loss) of each step both trained."""
+    by = {(r.get("attempt"), r["step"]): r["loss"] for r in records if "loss" in r}
+    return [(by[(1, s)], by[(2, s)]) for s in steps]
+
+
 def history(cfg) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
     run = resolve(cfg.storage.path, cfg.storage.endpoint_override).join(cfg.run.name)
     records = read_records(run.join("metrics.jsonl"))

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.integration.test_ray_train import history, run_to_end
+from tests.integration.test_ray_train import history, retrained, run_killed, run_to_end
 from trainer import dsconfig, journal
 from trainer.storage import resolve
 
@@ -120,18 +120,7 @@ def _run_killed(ray_cluster, path, overrides=(), at=KILL_AT):
     """One Ray job whose last rank is SIGKILLed after step `at` (by default KILL_AT, right
     after its checkpoint, uploaded synchronously so complete); Ray Train restarts the group
     and it resumes from the newest checkpoint."""
-    return run_to_end(
-        ray_cluster,
-        path,
-        ["checkpoint.upload=sync", *overrides],
-        env={"RAYLIFT_FAULT_KILL_AFTER_STEP": str(at)},
-    )
-
-
-def retrained(records: list[dict[str, Any]], steps: list[int]) -> list[tuple[float, float]]:
-    """(first attempt's loss, second attempt's loss) of each step both trained."""
-    by = {(r.get("attempt"), r["step"]): r["loss"] for r in records if "loss" in r}
-    return [(by[(1, s)], by[(2, s)]) for s in steps]
+    return run_killed(ray_cluster, path, at, ["checkpoint.upload=sync", *overrides])
 
 
 def _stop_resume_export(ray_cluster, path, reference, resume_overrides=(), how="kill"):
