@@ -210,6 +210,7 @@ def _worker_env() -> dict[str, str]:
         "TORCH_EXTENSIONS_DIR",
         "RAYLIFT_FAULT_UPLOAD_PAUSE_S",
         "RAYLIFT_FAULT_KILL_AFTER_STEP",
+        "RAYLIFT_FAULT_HOLD",
     )
     return {k: os.environ[k] for k in keep if k in os.environ}
 

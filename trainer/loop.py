@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import checkpoint as ckpt_mod
+from trainer import drill
 from trainer import journal as journal_mod
 from trainer.checkpoint import (
     CheckpointManager,
@@ -361,6 +362,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
             if ckpt_dir is not None and not owned:
                 shutil.rmtree(ckpt_dir, ignore_errors=True)
         _drill_kill(rt, done, metrics_file, device)
+        drill.hold(done, "train", rt.rank)
         if emergency:
             assert preempted is not None
             took = time.monotonic() - saving

@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from trainer import checkpoint as ckpt_mod
+from trainer import drill
 from trainer.config import JobConfig
 from trainer.errors import UserError
 from trainer.journal import Journal
@@ -99,7 +100,9 @@ class Runtime:
             if self.journal is not None:
                 self.journal.add("upload_retry", step=step, attempt=n, error=str(exc)[:300])
 
-        upload_checkpoint(src, target, self.retry_s, on_retry)
+        upload_checkpoint(
+            src, target, self.retry_s, on_retry, lambda: drill.hold(step, "upload", self.rank)
+        )
         if self.journal is not None:
             self.journal.add(
                 "checkpoint",

@@ -121,11 +121,29 @@ def download_dir(loc: Location, dest: Path) -> Path:
     return dest
 
 
+_PUT_CHUNK = 8 << 20
+
+
+def put_file(src: Path, fs: pafs.FileSystem, path: str) -> None:
+    """Copy one local file to `fs`, raising if any of it failed to arrive. (pyarrow's
+    copy_files does not: when an S3 part upload fails mid-file, the error is only printed
+    as the stream is destroyed and copy_files returns as if the file were written, which
+    would let a manifest vouch for a file that is not there.)"""
+    with open(src, "rb") as f, fs.open_output_stream(path) as out:
+        while chunk := f.read(_PUT_CHUNK):
+            out.write(chunk)
+
+
 def upload_dir(src: Path, loc: Location) -> None:
     loc.fs.create_dir(loc.path, recursive=True)
-    pafs.copy_files(
-        str(src), loc.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=loc.fs
-    )
+    made: set[str] = set()
+    for f in sorted(p for p in src.rglob("*") if p.is_file()):
+        rel = f.relative_to(src).as_posix()
+        parent = rel.rpartition("/")[0]
+        if parent and parent not in made:
+            loc.fs.create_dir(loc.join(parent).path, recursive=True)
+            made.add(parent)
+        put_file(f, loc.fs, loc.join(rel).path)
 
 
 _PERMANENT = (
@@ -294,12 +312,14 @@ def upload_checkpoint(
     loc: Location,
     retry_s: float,
     on_retry: Callable[[int, BaseException], None] | None = None,
+    before_manifests: Callable[[], None] | None = None,
 ) -> int:
     """Copy a checkpoint folder to storage so that it can never look complete early: the
     data files first, the rank manifests (`done/`) last. Transient errors are retried with
     exponential backoff for up to `retry_s` seconds, re-copying the whole folder (an object
     store has no partial objects, a file system's partial file has the wrong size, and a
-    manifest lists sizes). Returns the number of attempts it took."""
+    manifest lists sizes). Returns the number of attempts it took. `before_manifests` runs
+    between the two on every try (the fault drills hold the upload there)."""
     from tenacity import RetryError
 
     files = sorted(p for p in src.rglob("*") if p.is_file())
@@ -317,21 +337,19 @@ def upload_checkpoint(
         made: set[str] = set()
         paused = False
         for f in ordered:
-            if pause and not paused and f.relative_to(src).parts[0] == "done":
-                log.warning("RAYLIFT_FAULT_UPLOAD_PAUSE_S: pausing %.1f s before manifests", pause)
-                time.sleep(pause)
+            if not paused and f.relative_to(src).parts[0] == "done":
+                if pause:
+                    log.warning("RAYLIFT_FAULT_UPLOAD_PAUSE_S: pausing %.1f s", pause)
+                    time.sleep(pause)
+                if before_manifests is not None:
+                    before_manifests()
                 paused = True
             rel = f.relative_to(src).as_posix()
             parent = rel.rpartition("/")[0]
             if parent and parent not in made:
                 loc.fs.create_dir(loc.join(parent).path, recursive=True)
                 made.add(parent)
-            pafs.copy_files(
-                str(f),
-                loc.join(rel).path,
-                source_filesystem=pafs.LocalFileSystem(),
-                destination_filesystem=loc.fs,
-            )
+            put_file(f, loc.fs, loc.join(rel).path)
 
     def note(state: Any) -> None:
         exc = state.outcome.exception()

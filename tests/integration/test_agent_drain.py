@@ -37,7 +37,7 @@ NODE_ENV = {
 }
 
 
-def wait_for(what: str, check: Callable[[], object], timeout: float = 60) -> object:
+def wait_for(what: str, check: Callable[[], object], timeout: float = 300) -> object:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
@@ -120,7 +120,7 @@ def death_of(c, node_id: str):
                 return node
         return None
 
-    death = wait_for(f"node {node_id} gone", dead, timeout=30).death_info
+    death = wait_for(f"node {node_id} gone", dead).death_info
     return death.Reason.Name(death.reason), death.reason_message
 
 
@@ -154,7 +154,7 @@ def test_spot_notice_drains_the_agents_own_node_with_the_notice_deadline(cluster
                 assert gcs(c).get_draining_nodes() == {}
 
                 notice = imds.trigger_spot(120)
-                draining = wait_for("a drain", lambda: gcs(c).get_draining_nodes(), timeout=30)
+                draining = wait_for("a drain", lambda: gcs(c).get_draining_nodes())
                 wait_for("the drain logged", lambda: "drained Ray node" in log())
                 # The hook is completed only once the work has left the node. (Asserting that
                 # nothing happens has nothing to wait on: give the agent a second to be wrong.)
@@ -162,7 +162,7 @@ def test_spot_notice_drains_the_agents_own_node_with_the_notice_deadline(cluster
                 time.sleep(1)
                 released = time.time()
                 holder.stdin.close()  # the driver ends, and its actor with it
-                wait_for("the lifecycle action", lambda: asg.calls, timeout=30)
+                wait_for("the lifecycle action", lambda: asg.calls)
                 polls = len(imds.requests_to(SPOT_PATH))
                 wait_for("more polls", lambda: len(imds.requests_to(SPOT_PATH)) >= polls + 3)
             finally:
@@ -215,7 +215,7 @@ def test_auto_scaling_termination_drains_and_completes_the_drain_hook(cluster, t
         try:
             wait_for("three polls", lambda: len(imds.requests_to(SPOT_PATH)) >= 3)
             imds.trigger_termination()
-            wait_for("the lifecycle action", lambda: asg.calls, timeout=30)
+            wait_for("the lifecycle action", lambda: asg.calls)
         finally:
             agent.terminate()
             rc = agent.wait(timeout=30)

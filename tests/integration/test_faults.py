@@ -73,8 +73,9 @@ def _train_records(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in read_records(resolve(str(run_dir)).join("metrics.jsonl")) if "step" in r]
 
 
-def _wait(pred, what: str, client: Any, job_id: str, timeout: float = 240.0) -> Any:
-    """Poll `pred` until it returns something truthy; fail fast if the job ended."""
+def _wait(pred, what: str, client: Any, job_id: str, timeout: float = 600.0) -> Any:
+    """Poll `pred` until it returns something truthy; fail fast if the job ended. The
+    timeout only fires when something is broken: a loaded 2-core machine is slow."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = pred()
@@ -84,8 +85,15 @@ def _wait(pred, what: str, client: Any, job_id: str, timeout: float = 240.0) -> 
         assert not status.is_terminal(), (
             f"job ended ({status}) waiting for {what}:\n" + (client.get_job_logs(job_id)[-3000:])
         )
-        time.sleep(0.02)
+        time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def _held(release: Path, *what: str, ranks: int = 2) -> bool:
+    """Whether every rank's named holders of the RAYLIFT_FAULT_HOLD drill are waiting."""
+    return all(
+        release.with_name(f"{release.name}.{w}.r{r}").exists() for w in what for r in range(ranks)
+    )
 
 
 def _finish(client: Any, job_id: str) -> None:
@@ -106,24 +114,22 @@ def test_three_worker_kills_one_mid_upload_resume_from_newest_complete_checkpoin
     rng = random.Random(20261122)
     path = fault_job(tiny, tmp_path, "kill3")
     cfg = submit.absolutize(load_config(path, []), Path.cwd())
+    torn, release = 2 * EVERY, tmp_path / "release"
     client, job_id = submit.submit(
-        cfg, ray_cluster.dashboard_url, env_vars={"RAYLIFT_FAULT_UPLOAD_PAUSE_S": "3"}
+        cfg, ray_cluster.dashboard_url, env_vars={"RAYLIFT_FAULT_HOLD": f"{torn}:{release}"}
     )
     run_dir = Path(cfg.storage.path) / cfg.run.name
     run = resolve(str(run_dir))
-
-    def torn_in_progress() -> int | None:
-        for step, loc in ckpt_mod.list_checkpoints(run):
-            folder = Path(loc.path)
-            held = (folder / "strategy").exists() and not (folder / "done").exists()
-            if step >= 2 * EVERY and held:
-                return step
-        return None
-
-    torn = _wait(torn_in_progress, "a checkpoint held mid-upload", client, job_id)
+    # The step-50 upload stops between its data files and its manifests, and training
+    # stops after step 50, until the test releases both: the kill lands inside that window
+    # however slowly this machine polls.
+    _wait(lambda: _held(release, "upload", "train"), "step 50 held mid-upload", client, job_id)
+    folder = run_dir / ckpt_mod.dir_name(torn)
+    assert (folder / "strategy").exists() and not (folder / "done").exists()
     at_kill = [torn - EVERY]  # the newest complete one: the torn one's predecessor
     # Rank 0 writes the checkpoint: kill it inside the held upload.
     os.kill(_train_workers(client, job_id)[0].pid, signal.SIGKILL)
+    release.touch()  # the restarted group trains through step 50 without a hold
     for attempt, low in ((2, 85), (3, 120)):
         target = low + rng.randint(0, 12)
 
@@ -155,9 +161,9 @@ def test_three_worker_kills_one_mid_upload_resume_from_newest_complete_checkpoin
 
     summary = journal.summarize(journal.read(run))
     assert summary["restarts"] == 3 and summary["failures"] == {"worker_died": 3}, summary
-    # Every upload here is held 3 s, so a kill may land while the newest checkpoint is
-    # still uploading: what is lost is bounded by one interval per upload in flight
-    # (checkpoint.max_uploads_in_flight, 1) plus the interval being trained.
+    # A kill may land while the newest checkpoint is still uploading: what is lost is
+    # bounded by one interval per upload in flight (checkpoint.max_uploads_in_flight, 1)
+    # plus the interval being trained.
     assert all(0 <= lost <= 2 * EVERY for lost in summary["lost_steps"]), summary
     assert sum(summary["lost_steps"]) == wasted
     _same_weights(load_file(str(run_dir / FINAL)), reference["weights"], atol=1e-5)
@@ -179,36 +185,40 @@ def test_s3_outage_during_upload_is_retried_without_stopping_training(
         },
     )
     cfg = submit.absolutize(load_config(path, []), Path.cwd())
+    held, release = 2 * EVERY, tmp_path / "release"
     client, job_id = submit.submit(
-        cfg, ray_cluster.dashboard_url, env_vars={"RAYLIFT_FAULT_UPLOAD_PAUSE_S": "3"}
+        cfg, ray_cluster.dashboard_url, env_vars={"RAYLIFT_FAULT_HOLD": f"{held}:{release}"}
     )
-    s3 = s3_server["client"]
-    prefix = f"runs/{cfg.run.name}/"
-
-    def upload_held() -> bool:
-        listed = s3.list_objects_v2(Bucket="ckpt", Prefix=prefix).get("Contents", [])
-        keys = [o["Key"] for o in listed]
-        step = f"{prefix}{ckpt_mod.dir_name(2 * EVERY)}/"
-        return any(k.startswith(step + "strategy/") for k in keys) and not any(
-            k.startswith(step + "done/") for k in keys
-        )
-
-    _wait(upload_held, "the step-50 upload in progress", client, job_id)
+    # The step-50 upload stops before its manifests and training stops after step 50
+    # until the release, so the outage starts while both are provably still pending. The
+    # server comes back only once the log shows a failed upload try and three steps
+    # trained after the release: the outage overlaps training by construction, not by
+    # how fast this machine is.
+    _wait(lambda: _held(release, "upload", "train"), "step 50 held mid-upload", client, job_id)
     down_at = time.time()
     s3_server["server"].stop()
-    time.sleep(6)
+    release.touch()
+    run = resolve(cfg.storage.path, cfg.storage.endpoint_override).join(cfg.run.name)
+    after = f"step {held + 3}/{STEPS} "
+    retried = f"checkpoint upload to {run.join(ckpt_mod.dir_name(held)).uri} failed (try 1)"
+
+    def trained_through_outage() -> bool:
+        logs = client.get_job_logs(job_id)
+        return after in logs and retried in logs
+
+    _wait(trained_through_outage, "steps and an upload retry during the outage", client, job_id)
     s3_server["server"].start()
     up_at = time.time()
     _finish(client, job_id)
 
-    run = resolve(cfg.storage.path, cfg.storage.endpoint_override).join(cfg.run.name)
     records, steps, _ = history(cfg)
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     assert not [r for r in records if r.get("event") == "resume"]  # never restarted
-    stepped = [r for r in steps if down_at <= r["time"] <= up_at]
-    assert stepped, "no training step while the storage was down"
+    stepped = [r["step"] for r in steps if down_at <= r["time"] <= up_at]
+    assert set(range(held + 1, held + 4)) <= set(stepped), stepped
     summary = journal.summarize(journal.read(run))
     assert summary["upload_retries"] >= 1 and summary["restarts"] == 0, summary
+    s3 = s3_server["client"]
     for _, loc in ckpt_mod.list_checkpoints(run):
         state, why = ckpt_mod.completeness(loc)
         if why == "empty":
@@ -447,3 +457,44 @@ def test_head_loss_resubmit_resumes_from_storage_and_leaves_a_finished_run_alone
             os.environ.pop("RAY_AUTH_TOKEN", None)
         else:
             os.environ["RAY_AUTH_TOKEN"] = saved
+
+
+def test_a_file_cut_off_by_a_storage_outage_is_an_error_not_a_silent_success(tmp_path):
+    """pyarrow's copy_files returns as if a file were written when an S3 part upload fails
+    mid-file (the error is only printed as the stream is destroyed), so a manifest could
+    vouch for a file that never arrived. Raylift's put_file must raise instead, so the
+    upload retries. The server is stopped between two parts of one file: the source is a
+    pipe that the test feeds, so the outage lands mid-file by construction."""
+    from tests.conftest import S3_KEY, S3_SECRET, WeedServer
+    from trainer.storage import put_file
+
+    (tmp_path / "weed").mkdir()
+    server = WeedServer(tmp_path / "weed")
+    server.start()
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = S3_KEY, S3_SECRET
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    part = os.urandom(16 << 20)  # above pyarrow's 10 MB part: the first part is sent
+
+    def feed() -> None:
+        with open(pipe, "wb") as w:
+            w.write(part)
+            w.flush()
+            server.stop()
+            w.write(part)
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    try:
+        loc = resolve("s3://ckpt/cut/optimizer.pt", server.endpoint)
+        with pytest.raises(OSError, match="upload"):
+            put_file(pipe, loc.fs, loc.path)
+    finally:
+        feeder.join(timeout=120)
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

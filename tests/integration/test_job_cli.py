@@ -39,7 +39,7 @@ def test_run_lifecycle_through_the_verbs(ray_cluster, job, capsys):
 
     # Wait (bounded) for the first steps in the run's metrics file.
     meta = info.metadata
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         progress = runs.read_progress(meta)
         if progress.step and progress.step >= 2:

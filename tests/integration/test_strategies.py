@@ -351,7 +351,7 @@ def test_ccl_backend_config_prepares_every_worker_before_the_process_group(ray_c
             "env_vars": {"PYTHONPATH": f"{repo}:{tmp_path}"},
         },
     )
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 600
     while not client.get_job_status(job_id).is_terminal() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert str(client.get_job_status(job_id)).endswith("SUCCEEDED"), client.get_job_logs(job_id)[

