@@ -1,7 +1,10 @@
 """The baseline for the overhead benchmark: the smallest correct DDP loop over the same
 packed blocks (no config, checkpoints, metrics or scheduler bookkeeping). Run with torchrun.
 
-    torchrun --nproc_per_node 2 bare_ddp.py MODEL_DIR TOKENS_BIN DTYPE BLOCK MICRO STEPS OUT VOCAB
+    torchrun --nproc_per_node 2 bare_ddp.py MODEL_DIR TOKEN_CACHE_DIR BLOCK MICRO STEPS OUT VOCAB
+
+The tokens come from Raylift's token cache through its own reader (trainer.data.TokenCache),
+so the baseline follows the cache's layout instead of hard-coding a file name.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -16,14 +20,16 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
+from trainer.data import TokenCache
+
 
 def main() -> None:
-    model_dir, tokens, dtype, block, micro, steps, out, vocab = sys.argv[1:9]
+    model_dir, cache_dir, block, micro, steps, out, vocab = sys.argv[1:8]
     block, micro, steps = int(block), int(micro), int(steps)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    data = np.memmap(tokens, dtype=np.dtype(dtype), mode="r")
+    data = TokenCache(Path(cache_dir)).tokens()
     n_blocks = len(data) // block
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.resize_token_embeddings(int(vocab), mean_resizing=False)  # the special tokens

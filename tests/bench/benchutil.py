@@ -1,4 +1,10 @@
-"""The harness every benchmark uses (run with `make bench`, never in `make test`).
+"""The harness every benchmark uses.
+
+`make bench` runs every benchmark at full size and exits non-zero on a missed target.
+`make test` runs them too, in smoke mode (RAYLIFT_BENCH_SMOKE=1): tiny sizes, one round,
+every figure computed and its PASS/MISS line printed, but a MISS does not fail, since a
+smoke-size figure says nothing about the target. What smoke mode catches is a benchmark
+that no longer runs: a refactor that breaks one fails CI, not the next person to measure.
 
 A benchmark names its commands (callables that make one measurement and return its
 figures) and its checks (a figure computed from one round of those, and its target).
@@ -40,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "build" / "bench"
 REPEATS_ENV = "RAYLIFT_BENCH_REPEATS"
 MIN_REPEATS = 3
+SMOKE_ENV = "RAYLIFT_BENCH_SMOKE"
 
 Sample = dict[str, float]  # one command's figures from one run
 Round = dict[str, Sample]  # every command's sample from one round
@@ -65,10 +72,30 @@ def env_int(name: str, default: int, minimum: int = 1) -> int:
     return value
 
 
+def smoke() -> bool:
+    """Whether this is a smoke run (`make test`), not a measurement (`make bench`)."""
+    return os.environ.get(SMOKE_ENV, "") not in ("", "0")
+
+
+def size(name: str, full: int, smoke_size: int, minimum: int = 1) -> int:
+    """A benchmark's size: the environment's, else `smoke_size` in a smoke run, else
+    `full`."""
+    return env_int(name, smoke_size if smoke() else full, minimum)
+
+
 def repeats() -> int:
     """Rounds per benchmark: RAYLIFT_BENCH_REPEATS, default 3. Fewer than 3 gives no
-    spread worth reporting, so it is refused rather than silently accepted."""
+    spread worth reporting, so it is refused rather than silently accepted; a smoke run
+    does one."""
+    if smoke():
+        return 1
     return env_int(REPEATS_ENV, MIN_REPEATS, minimum=MIN_REPEATS)
+
+
+def results_dir() -> Path:
+    """build/bench, or build/bench/smoke for smoke runs (so they never overwrite a real
+    measurement)."""
+    return OUT / "smoke" if smoke() else OUT
 
 
 @dataclass(frozen=True)
@@ -180,10 +207,13 @@ def report(
     metric: str,
     unit: str = "",
     setup: Mapping[str, Any] | None = None,
-    out_dir: Path = OUT,
+    out_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Write the JSON and the plot, print the verdicts, then raise if a target was missed."""
+    """Write the JSON and the plot, print the verdicts, then raise if a target was missed
+    (never in a smoke run, whose sizes say nothing about the targets)."""
     __tracebackhide__ = True  # pytest: show the verdicts, not this function's source
+    out_dir = results_dir() if out_dir is None else out_dir
+    is_smoke = smoke()
     if not rounds:
         raise ValueError(f"{name}: no rounds were run")
     per_command = summarize(rounds)
@@ -194,7 +224,10 @@ def report(
         ok = check.passes(stats.median)
         verdict = "INFO" if ok is None else ("PASS" if ok else "MISS")
         target = "no target" if check.target is None else f"target {check.op} {check.target:g}"
-        lines.append(f"{name} {check.name}: {stats.describe()} {check.unit}  {target}  {verdict}")
+        note = "  (smoke size: not judged)" if is_smoke and ok is not None else ""
+        lines.append(
+            f"{name} {check.name}: {stats.describe()} {check.unit}  {target}  {verdict}{note}"
+        )
         results.append(
             {
                 "name": check.name,
@@ -212,6 +245,7 @@ def report(
         "title": title,
         "passed": not missed,
         "missed": missed,
+        "smoke": is_smoke,
         "repeats": len(rounds),
         "order": [f"{cmd}#{i}" for i, r in enumerate(rounds) for cmd in r],
         "checks": results,
@@ -233,7 +267,7 @@ def report(
     for line in lines:
         print(line)
     print(f"→ {json_path}\n→ {png_path}")
-    if missed:
+    if missed and not is_smoke:
         raise TargetMissed(f"{name}: missed {', '.join(missed)}\n" + "\n".join(lines))
     return result
 
@@ -291,7 +325,7 @@ def run_benchmark(
     unit: str = "",
     setup: Mapping[str, Any] | None = None,
     rounds: int | None = None,
-    out_dir: Path = OUT,
+    out_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Interleave the commands for `rounds` (default: RAYLIFT_BENCH_REPEATS) and report."""
     __tracebackhide__ = True

@@ -99,6 +99,13 @@ def main() -> None:
         Path(out).write_text(
             json.dumps({"tokens_per_s": tokens / elapsed, "ranks": ranks, "world": world})
         )
+    # Tear down in this order: the all-gather's work is retired (barrier), the strategy's
+    # DDP reducer is gone, then the process group. Left to interpreter exit, the reducer
+    # held the group's last reference, and its destructor (holding the GIL) waited on gloo's
+    # work thread, which waited for the GIL to free the gather's tensors: rank 1 hung.
+    dist.barrier()
+    del s
+    gc.collect()
     dist.destroy_process_group()
 
 

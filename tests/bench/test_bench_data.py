@@ -21,10 +21,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.bench.benchutil import Check, env_int, run_benchmark
+from tests.bench.benchutil import Check, run_benchmark, size
 from tools.tiny import build_all, qa_pair
 
-CORPUS_MB = env_int("RAYLIFT_BENCH_DATA_MB", 200, minimum=4)
+CORPUS_MB = size("RAYLIFT_BENCH_DATA_MB", 200, 4, minimum=4)
 BLOCK = 1024
 HERE = Path(__file__).resolve().parent
 

@@ -18,11 +18,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.bench.benchutil import Check, env_int, run_benchmark
+from tests.bench.benchutil import Check, run_benchmark, size
 from tests.bench.test_bench_data import make_corpus
 from tools.tiny import build_all
 
-CORPUS_MB = env_int("RAYLIFT_BENCH_SCALE_MB", 80, minimum=8)
+CORPUS_MB = size("RAYLIFT_BENCH_SCALE_MB", 80, 8, minimum=8)
 FILES = 8
 BLOCK = 1024
 HERE = Path(__file__).resolve().parent

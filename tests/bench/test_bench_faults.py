@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from tests.bench.benchutil import Check, env_int, run_benchmark
+from tests.bench.benchutil import Check, run_benchmark, size
 from tests.conftest import S3_KEY, S3_SECRET, WeedServer, base_job
 from tests.integration.test_ray_train import _train_workers, history, launch, run_to_end
 from tools import submit
@@ -95,8 +95,8 @@ def _stall(records: list[dict[str, Any]]) -> float:
 
 def test_checkpoint_stall_async_vs_sync(ray_cluster, tmp_path):
     cluster = ray_cluster
-    hidden = env_int("RAYLIFT_BENCH_HIDDEN", 512)
-    layers = env_int("RAYLIFT_BENCH_LAYERS", 6)
+    hidden = size("RAYLIFT_BENCH_HIDDEN", 512, 64)
+    layers = size("RAYLIFT_BENCH_LAYERS", 6, 2)
     tiny = build_all(tmp_path / "model", rows=3000, eval_rows=50, hidden=hidden, layers=layers)
     (tmp_path / "weed").mkdir()
     server = WeedServer(tmp_path / "weed")

@@ -11,8 +11,9 @@ and each ratio is taken within a round, so load from other processes on the mach
 both sides of a ratio alike. All three are timed the same way: wall-clock over the steps
 after the first 20% (warm-up excluded), so everything the Raylift loop does per step
 (metrics all-reduce, metrics file, logging, the time-gated ray.train.report) is inside the
-measurement. The data is tokenized once, before the first round, and the Ray cluster stays
-up for all rounds (its start-up is not what is measured).
+measurement. The data is tokenized once, before the first round, and the Ray cluster (the
+test session's: a head and two 1-CPU nodes) stays up for all rounds (its start-up is not
+what is measured).
 
 Sizes (for a quick run on a busy machine): RAYLIFT_BENCH_STEPS, RAYLIFT_BENCH_HIDDEN,
 RAYLIFT_BENCH_LAYERS; RAYLIFT_BENCH_LOG_EVERY sets the steps between metric records;
@@ -26,17 +27,18 @@ from pathlib import Path
 
 import yaml
 
-from tests.bench.benchutil import Check, env_int, run_benchmark
+from tests.bench.benchutil import Check, run_benchmark, size
 from tests.helpers import torchrun
 from tools.tiny import build_all
 from trainer.metrics import read_records
 from trainer.storage import resolve
 
-STEPS = env_int("RAYLIFT_BENCH_STEPS", 120, minimum=10)
-HIDDEN = env_int("RAYLIFT_BENCH_HIDDEN", 256)
-LAYERS = env_int("RAYLIFT_BENCH_LAYERS", 4)
-LOG_EVERY = env_int("RAYLIFT_BENCH_LOG_EVERY", 1)
-BLOCK, MICRO, ROWS = 128, 8, 20000
+STEPS = size("RAYLIFT_BENCH_STEPS", 120, 10, minimum=10)
+HIDDEN = size("RAYLIFT_BENCH_HIDDEN", 256, 64)
+LAYERS = size("RAYLIFT_BENCH_LAYERS", 4, 2)
+LOG_EVERY = size("RAYLIFT_BENCH_LOG_EVERY", 1, 1)
+BLOCK, MICRO = 128, 8
+ROWS = size("RAYLIFT_BENCH_ROWS", 20000, 2000)
 SEAM_TARGET = 0.97  # issue 8: DDP through the seam within 3% of the old path
 RAY_TARGET = 0.95
 HERE = Path(__file__).resolve().parent
@@ -58,11 +60,11 @@ def _ratio(raylift: str):
     return lambda r: r[raylift]["tokens_per_s"] / r["bare_ddp"]["tokens_per_s"]
 
 
-def test_trainer_overhead(tmp_path):
+def test_trainer_overhead(ray_cluster, tmp_path):
     from tools import submit
-    from tools.localcluster import LocalCluster
     from trainer.config import load_config
     from trainer.launch import prepare_inputs
+    from trainer.model import load_tokenizer
 
     assets = build_all(tmp_path / "assets", rows=ROWS, hidden=HIDDEN, layers=LAYERS)
     runs = tmp_path / "runs"
@@ -80,7 +82,7 @@ def test_trainer_overhead(tmp_path):
     # Tokenize once, where the trainer will look for it, so no round pays for it and the
     # bare loop reads the very same tokens.
     cache = Path(prepare_inputs(load_config(path, []), progress=False).train_cache)
-    meta = json.loads((cache / "meta.json").read_text())
+    vocab = len(load_tokenizer(assets["model"], str(assets["tokens"])))  # as the trainer sizes it
 
     def tps(run_name: str) -> float:
         return _steady_tps(read_records(resolve(str(runs)).join(run_name, "metrics.jsonl")))
@@ -95,48 +97,47 @@ def test_trainer_overhead(tmp_path):
             [
                 str(HERE / "bare_ddp.py"),
                 str(assets["model"]),
-                str(cache / "tokens.bin"),
-                meta["dtype"],
+                str(cache),
                 str(BLOCK),
                 str(MICRO),
                 str(STEPS),
                 str(out),
-                str(meta["vocab_size"]),
+                str(vocab),
             ]
         )
         return {"tokens_per_s": json.loads(out.read_text())["tokens_per_s"]}
 
-    with LocalCluster(num_cpus=2) as cluster:
+    cluster = ray_cluster  # the session's: head + two 1-CPU nodes (tests/conftest.py)
 
-        def raylift_ray(i: int) -> dict[str, float]:
-            cfg = load_config(path, [f"run.name=ray-{i}"])
-            client, job_id = submit.submit(cfg, cluster.dashboard_url, token=cluster.token)
-            status, _ = submit.follow(client, job_id, progress=False)
-            assert status == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]
-            return {"tokens_per_s": tps(f"ray-{i}")}
+    def raylift_ray(i: int) -> dict[str, float]:
+        cfg = load_config(path, [f"run.name=ray-{i}"])
+        client, job_id = submit.submit(cfg, cluster.dashboard_url, token=cluster.token)
+        status, _ = submit.follow(client, job_id, progress=False)
+        assert status == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]
+        return {"tokens_per_s": tps(f"ray-{i}")}
 
-        run_benchmark(
-            "overhead",
-            title="Raylift loop vs bare torch DDP (2 gloo workers, CPU)",
-            commands={
-                "raylift_torchrun": raylift_torchrun,
-                "bare_ddp": bare_ddp,
-                "raylift_ray_train": raylift_ray,
-            },
-            checks=[
-                Check("ratio_torchrun", _ratio("raylift_torchrun"), SEAM_TARGET, unit="× bare"),
-                Check("ratio_ray_train", _ratio("raylift_ray_train"), RAY_TARGET, unit="× bare"),
-            ],
-            metric="tokens_per_s",
-            unit="tokens/s",
-            setup={
-                "workers": 2,
-                "backend": "gloo",
-                "block_size": BLOCK,
-                "micro_batch": MICRO,
-                "steps": STEPS,
-                "log_every": LOG_EVERY,
-                "rows": ROWS,
-                "model": f"Llama hidden {HIDDEN}, {LAYERS} layers, fp32, CPU",
-            },
-        )
+    run_benchmark(
+        "overhead",
+        title="Raylift loop vs bare torch DDP (2 gloo workers, CPU)",
+        commands={
+            "raylift_torchrun": raylift_torchrun,
+            "bare_ddp": bare_ddp,
+            "raylift_ray_train": raylift_ray,
+        },
+        checks=[
+            Check("ratio_torchrun", _ratio("raylift_torchrun"), SEAM_TARGET, unit="× bare"),
+            Check("ratio_ray_train", _ratio("raylift_ray_train"), RAY_TARGET, unit="× bare"),
+        ],
+        metric="tokens_per_s",
+        unit="tokens/s",
+        setup={
+            "workers": 2,
+            "backend": "gloo",
+            "block_size": BLOCK,
+            "micro_batch": MICRO,
+            "steps": STEPS,
+            "log_every": LOG_EVERY,
+            "rows": ROWS,
+            "model": f"Llama hidden {HIDDEN}, {LAYERS} layers, fp32, CPU",
+        },
+    )

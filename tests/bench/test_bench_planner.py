@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchutil import OUT, ROOT, Check, env_int, run_benchmark
+from benchutil import ROOT, Check, results_dir, run_benchmark, size
 
 VOCAB = 8000
 
@@ -146,9 +146,9 @@ def measure(cfg_dict: dict[str, Any]) -> float:
 
 
 def test_planner_accuracy():
-    hidden = env_int("RAYLIFT_BENCH_PLAN_HIDDEN", 512)
-    layers = env_int("RAYLIFT_BENCH_PLAN_LAYERS", 4)
-    model_dir = make_model(OUT / f"planner_model_h{hidden}_l{layers}", hidden, layers)
+    hidden = size("RAYLIFT_BENCH_PLAN_HIDDEN", 512, 64)
+    layers = size("RAYLIFT_BENCH_PLAN_LAYERS", 4, 2)
+    model_dir = make_model(results_dir() / f"planner_model_h{hidden}_l{layers}", hidden, layers)
     jobs = {name: job(case, model_dir) for name, case in CASES.items()}
     pred = {name: predicted(cfg) for name, cfg in jobs.items()}
 

@@ -40,7 +40,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tests.bench.benchutil import OUT, ROOT, Check, env_int, interleave, repeats, report
+from tests.bench.benchutil import ROOT, Check, interleave, repeats, report, results_dir, size
 from tests.bench.test_bench_planner import VOCAB, make_model
 from tests.helpers import torchrun
 
@@ -128,10 +128,10 @@ def plot_breakdown(result: dict[str, Any], path: Path) -> Path:
 
 
 def test_strategies(tmp_path, monkeypatch):
-    hidden = env_int("RAYLIFT_BENCH_STRAT_HIDDEN", 512)
-    layers = env_int("RAYLIFT_BENCH_STRAT_LAYERS", 8)
-    steps = env_int("RAYLIFT_BENCH_STRAT_STEPS", 4)
-    model_dir = make_model(OUT / f"strategies_model_h{hidden}_l{layers}", hidden, layers)
+    hidden = size("RAYLIFT_BENCH_STRAT_HIDDEN", 512, 64)
+    layers = size("RAYLIFT_BENCH_STRAT_LAYERS", 8, 2)
+    steps = size("RAYLIFT_BENCH_STRAT_STEPS", 4, 2)
+    model_dir = make_model(results_dir() / f"strategies_model_h{hidden}_l{layers}", hidden, layers)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the workers import this checkout's trainer
 
     def command(name: str):
@@ -208,8 +208,8 @@ def test_strategies(tmp_path, monkeypatch):
             setup=setup,
         )
     finally:
-        result = json.loads((OUT / "strategies.json").read_text())
-        print(f"→ {plot_breakdown(result, OUT / 'strategies_breakdown.png')}")
+        result = json.loads((results_dir() / "strategies.json").read_text())
+        print(f"→ {plot_breakdown(result, results_dir() / 'strategies_breakdown.png')}")
 
 
 def _speed(name: str):

@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from tests.bench.benchutil import Check, env_int, run_benchmark
+from tests.bench.benchutil import Check, run_benchmark, size
 from tests.conftest import S3_KEY, S3_SECRET, WeedServer
 from trainer.checkpoint import write_manifest
 from trainer.storage import resolve, upload_checkpoint
@@ -39,7 +39,7 @@ def _checkpoint(root: Path, total_mb: int) -> tuple[Path, int]:
 
 
 def test_upload_throughput_matches_plain_boto3(tmp_path):
-    total_mb = env_int("RAYLIFT_BENCH_UPLOAD_MB", 256)
+    total_mb = size("RAYLIFT_BENCH_UPLOAD_MB", 256, 8)
     server = WeedServer(tmp_path / "weed")
     (tmp_path / "weed").mkdir()
     old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
