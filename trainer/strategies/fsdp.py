@@ -428,7 +428,8 @@ def clip_grad_norm_mesh(
         if hasattr(g, "to_local"):
             mesh, placements = g.device_mesh, g.placements
             for i, pl in enumerate(placements):
-                if pl.is_shard():
+                # Shard, or FSDP's _StridedShard over a TP shard (which is not is_shard()).
+                if not pl.is_replicate():
                     pieces *= mesh.size(i)
             g = g.to_local()
         grads.append(g)
