@@ -202,14 +202,46 @@ class FSDPStrategy(ModelCalls):
         losses: list[torch.Tensor] = []
         args = (x,) if self.has_first else ()
         target = y if self.has_last else None
-        run = self.schedule.step if train else self.schedule.eval
-        out = run(*args, target=target, losses=losses if self.has_last else None)
+        if train:
+            out = self.schedule.step(*args, target=target, losses=losses if self.has_last else None)
+        elif self.opts.pp_schedule == "zbv":
+            out = self._forward_only(x, y, losses)  # torch's ZB-V cannot run forward-only
+        else:
+            out = self.schedule.eval(*args, target=target, losses=losses if self.has_last else None)
         total = torch.zeros((), device=self.device)
         if self.has_last:
             total = torch.stack([loss.detach().float() for loss in losses]).sum()
         # Only the last stage has the loss; the other stages report it too.
         dist.all_reduce(total, group=self.mesh["pp"].get_group())
         return out, total
+
+    def _forward_only(self, x: torch.Tensor, y: torch.Tensor, losses: list[Any]) -> Any:
+        """The whole batch through the stages in order, hidden states sent point to point
+        between the ranks that own neighbouring stages (no grad, no microbatches)."""
+        from trainer.parallel.pipeline import stage_ids
+
+        group = self.mesh["pp"].get_group()
+        me = self.mesh["pp"].get_local_rank()
+        owner = {}
+        for r in range(self.pp):
+            for st in stage_ids(r, self.pp, self.opts.stages_per_rank, self.opts.pp_schedule):
+                owner[st] = r
+        parts = dict(zip(self.stage_ids, self.parts, strict=True))
+        hidden = self.parts[0].config.hidden_size
+        h: Any = x
+        for st in range(self.n_stages):
+            if owner[st] != me:
+                continue
+            if st > 0 and owner[st - 1] != me:
+                h = torch.empty((*x.shape, hidden), device=self.device)
+                dist.recv(h, group=group, group_src=owner[st - 1])
+            h = parts[st](h)
+            if st < self.n_stages - 1 and owner[st + 1] != me:
+                dist.send(h.contiguous(), group=group, group_dst=owner[st + 1])
+        if self.has_last:
+            losses.append(self._loss(h, y))
+            return h
+        return None
 
     def train_micro(self, x: torch.Tensor, y: torch.Tensor, num_items: Any) -> torch.Tensor:
         if self.pp == 1:
