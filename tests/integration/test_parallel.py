@@ -144,3 +144,54 @@ def test_checkpoint_of_one_layout_resumes_under_another(tiny, model4, runs, ddp_
     assert [r["from_step"] for r in records if r.get("event") == "resume"] == [4]
     _assert_same_curve(_steps(runs, "switch"), ddp_curve)
     _export_reproduces_probe(runs / "switch")
+
+
+def _fsdp(model_dir: Path, tokens: Path, **strategy: Any) -> Any:
+    from trainer.config import JobConfig
+    from trainer.model import load_tokenizer
+    from trainer.strategies import ModelSource, build_strategy
+
+    world = strategy.pop("world", 1)
+    cfg = JobConfig.model_validate(
+        {
+            "model": {"path": str(model_dir)},
+            "data": {"train_file": "unused.jsonl", "block_size": 16},
+            "strategy": {"name": "fsdp", **strategy},
+            "scaling": {"num_workers": world},
+            "run": {"name": "legacy"},
+        }
+    )
+    s = build_strategy(cfg, torch.device("cpu"), 0, world)
+    if world == 1:
+        s.setup(ModelSource(model_dir, len(load_tokenizer(model_dir, str(tokens)))))
+    return s
+
+
+def test_plain_fsdp_still_loads_dcp1_and_model_parallel_refuses_it(tiny, tmp_path):
+    """A dcp/1 resume state (nested optimizer state, as FSDP wrote it before dcp/2) loads
+    into plain FSDP exactly; a tp/pp job refuses it naming both layouts."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from trainer.errors import CheckpointError
+
+    try:
+        a = _fsdp(tiny["model"], tiny["tokens"])
+        x = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+        a.train_micro(x, x, 30)
+        a.step()
+        msd, osd = get_state_dict(a.model, a.optimizer)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dcp"))
+        b = _fsdp(tiny["model"], tiny["tokens"])
+        b.load_state(tmp_path, 0)
+        for (n, p), q in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+            assert torch.equal(p.full_tensor(), q.full_tensor()), n
+            sa, sb = a.optimizer.state[p], b.optimizer.state[q]
+            assert torch.equal(sa["exp_avg"].full_tensor(), sb["exp_avg"].full_tensor()), n
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    tp = _fsdp(tiny["model"], tiny["tokens"], tp=2, world=2)
+    with pytest.raises(CheckpointError, match=r"layout dcp/1 .* needs dcp/2"):
+        tp.load_state(tmp_path, 0)

@@ -163,8 +163,8 @@ def test_fsdp_matches_ddp_resumes_on_one_worker_and_exports(ray_cluster, job, dd
         ray_cluster, path, ddp_losses, ["scaling.num_workers=1", "train.grad_accum=2"], "stop"
     )
     state = json.loads((run_dir / "step_00000012" / "trainer_state.json").read_text())
-    assert (state["strategy"], state["layout"], state["world_size"]) == ("fsdp", "dcp/1", 1)
-    assert (run_dir / "step_00000008" / "strategy" / "dcp" / ".metadata").exists()
+    assert (state["strategy"], state["layout"], state["world_size"]) == ("fsdp", "dcp/2", 1)
+    assert (run_dir / "step_00000008" / "strategy" / "dcp2" / ".metadata").exists()
     # (The same run name under another strategy is refused, naming both: unit-tested in
     # tests/unit/test_checkpoint.py; a job error reaching the user is test_ray_train's.)
 
