@@ -284,9 +284,9 @@ class FSDPStrategy(ModelCalls):
     def step(self) -> float:
         params = [p for part in self.parts for p in part.parameters()]
         norm = clip_grad_norm_mesh(params, self.cfg.optim.grad_clip, replicas=self.dp * self.tp)
-        for opt in self.optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        # Through the group, when there are several: the LR scheduler watches its step.
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         return norm
 
     def evaluating(self) -> contextlib.AbstractContextManager:
@@ -424,11 +424,12 @@ class OptimizerGroup(torch.optim.Optimizer):
         self.optimizers = optimizers
         self.param_groups = [g for opt in optimizers for g in opt.param_groups]
         self.defaults = optimizers[0].defaults
-        self.state = {}  # type: ignore[assignment]
-        for opt in optimizers:
-            self.state.update(opt.state)
         self._optimizer_step_pre_hooks = {}  # type: ignore[assignment]
         self._optimizer_step_post_hooks = {}  # type: ignore[assignment]
+
+    @property  # type: ignore[override]
+    def state(self) -> dict[Any, Any]:  # what memory accounting reads
+        return {p: st for opt in self.optimizers for p, st in opt.state.items()}
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         for opt in self.optimizers:
