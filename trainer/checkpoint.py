@@ -300,6 +300,8 @@ class Identity:
     global_batch: int
     block_size: int
     run_name: str
+    reads: tuple[str, ...] = ()
+    """Older layouts this strategy still loads (FSDP reads dcp/1); not written."""
 
     def check(self, state: dict[str, Any], where: Path | str) -> None:
         fmt = state.get("format", 1)
@@ -309,6 +311,8 @@ class Identity:
                 "(written by another Raylift version); use a new run.name"
             )
         for key, what in (("strategy", "strategy.name"), ("layout", "strategy layout")):
+            if key == "layout" and state.get(key) in self.reads:
+                continue
             if state.get(key) != getattr(self, key):
                 raise CheckpointError(
                     f"{where}: checkpoint was written by strategy {state.get('strategy')} "
@@ -375,7 +379,7 @@ class CheckpointManager:
         if self.rank == 0:
             state = {
                 "format": FORMAT,
-                **asdict(self.identity),
+                **{k: v for k, v in asdict(self.identity).items() if k != "reads"},
                 "step": step,
                 "tokens_seen": self.train_state.tokens_seen,
                 "world_size": self.world_size,

@@ -161,6 +161,42 @@ class FSDPOptions(_Section):
     activation_checkpointing: bool = Field(
         default=False, description="Recompute each decoder layer's activations in backward."
     )
+    tp: int = Field(
+        default=1,
+        ge=1,
+        description="Tensor-parallel size: each decoder layer's matrices split over this many "
+        "workers (keep it inside one node); attention and KV heads must divide by it.",
+    )
+    pp: int = Field(
+        default=1,
+        ge=1,
+        description="Pipeline-parallel size: the decoder layers split into this many groups "
+        "of workers that pass activations on; the rest (workers / (tp × pp)) is FSDP.",
+    )
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe", "zbv"] = Field(
+        default="1f1b",
+        description="Pipeline schedule; interleaved_1f1b and zbv hold two stages per worker "
+        "(a smaller bubble, microbatches a multiple of pp).",
+    )
+    microbatches: int | None = Field(
+        default=None,
+        ge=1,
+        description="Pipeline microbatches each micro batch is cut into; null = pp. Must "
+        "divide train.micro_batch_size.",
+    )
+
+    @property
+    def model_parallel(self) -> int:
+        """Workers that hold one replica of the model between them (tp × pp)."""
+        return self.tp * self.pp
+
+    @property
+    def stages_per_rank(self) -> int:
+        return 2 if self.pp_schedule in ("interleaved_1f1b", "zbv") else 1
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.microbatches or self.pp
 
 
 class DeepSpeedOptions(_Section):
@@ -370,6 +406,7 @@ class JobConfig(_Section):
                 )
             if t.precision == "fp16":
                 raise ValueError("train.precision: fp16 is not supported with fsdp; use bf16")
+            self._check_parallel(self.strategy)
         if self.strategy.name == "deepspeed" and self.optim.name == "adamw8bit":
             raise ValueError(
                 "optim.name: adamw8bit is not available with strategy deepspeed (DeepSpeed's "
@@ -385,12 +422,13 @@ class JobConfig(_Section):
                 "about 4 GB for a 4-bit 7B) or model.adapter none"
             )
         if t.global_batch_size is not None:
-            per_step = t.micro_batch_size * s.max_workers
+            per_step = t.micro_batch_size * self.data_parallel
             if t.global_batch_size % per_step:
+                replicas = "num_workers" if self.model_parallel == 1 else "(workers / tp × pp)"
                 raise ValueError(
                     f"train.global_batch_size: {t.global_batch_size} is not divisible by "
-                    f"micro_batch_size × num_workers = {t.micro_batch_size} × "
-                    f"{s.max_workers} = {per_step}"
+                    f"micro_batch_size × {replicas} = {t.micro_batch_size} × "
+                    f"{self.data_parallel} = {per_step}"
                 )
             derived = t.global_batch_size // per_step
             if t.grad_accum not in (1, derived):
@@ -449,6 +487,75 @@ class JobConfig(_Section):
             )
         return self
 
+    def _check_parallel(self, st: FSDPOptions) -> None:
+        """The (dp, pp, tp) layout checks that need only the config; the ones that need
+        the model's config.json live in trainer.parallel.layout (run by the preflight)."""
+        t, s = self.train, self.scaling
+        if st.model_parallel == 1:
+            if st.microbatches is not None or st.pp_schedule != "1f1b":
+                raise ValueError(
+                    "strategy.microbatches / strategy.pp_schedule: only meaningful with "
+                    "strategy.pp > 1; set pp or remove them"
+                )
+            return
+        if s.elastic:
+            raise ValueError(
+                f"scaling.num_workers: [min, max] (elastic) needs strategy.tp = strategy.pp "
+                f"= 1 (a {st.tp}×{st.pp} model-parallel group cannot lose a member); use a "
+                "fixed num_workers"
+            )
+        if s.max_workers % st.model_parallel:
+            raise ValueError(
+                f"scaling.num_workers: {s.max_workers} workers do not divide into groups of "
+                f"tp × pp = {st.tp} × {st.pp} = {st.model_parallel}; use a multiple of "
+                f"{st.model_parallel}"
+            )
+        if st.cpu_offload:
+            raise ValueError(
+                "strategy.cpu_offload: not supported with tp or pp > 1 in this build; "
+                "turn it off or use tp = pp = 1"
+            )
+        if st.pp == 1:
+            if st.microbatches is not None or st.pp_schedule != "1f1b":
+                raise ValueError(
+                    "strategy.microbatches / strategy.pp_schedule: only meaningful with "
+                    "strategy.pp > 1; set pp or remove them"
+                )
+            return
+        m = st.n_microbatches
+        if t.micro_batch_size % m:
+            raise ValueError(
+                f"strategy.microbatches: {m} does not divide train.micro_batch_size "
+                f"{t.micro_batch_size} (every pipeline microbatch needs the same number of "
+                "rows); pick a divisor or raise micro_batch_size"
+            )
+        if st.stages_per_rank > 1 and m % st.pp:
+            raise ValueError(
+                f"strategy.microbatches: {st.pp_schedule} needs a multiple of pp = {st.pp}, got {m}"
+            )
+        if m < st.pp:
+            raise ValueError(
+                f"strategy.microbatches: {m} is fewer than pp = {st.pp} stages (the pipeline "
+                f"would never fill); use at least {st.pp}"
+            )
+
+    @property
+    def data_parallel(self) -> int:
+        """Model replicas that read different data: workers / (tp × pp)."""
+        return self.scaling.max_workers // self.model_parallel
+
+    @property
+    def model_parallel(self) -> int:
+        st = self.strategy
+        return st.model_parallel if isinstance(st, FSDPOptions) else 1
+
+    def data_rank(self, rank: int, world_size: int) -> tuple[int, int]:
+        """(replica index, replicas) of a worker: the mesh is (dp, pp, tp) in row-major
+        order, so the workers of one model-parallel group are consecutive ranks and share
+        a batch."""
+        mp = self.model_parallel
+        return rank // mp, world_size // mp
+
     @property
     def _s3_data(self) -> bool:
         return any(
@@ -459,12 +566,13 @@ class JobConfig(_Section):
     @property
     def global_batch(self) -> int:
         """Sequences per optimizer step across all workers."""
-        return self.train.micro_batch_size * self.train.grad_accum * self.scaling.max_workers
+        return self.train.micro_batch_size * self.train.grad_accum * self.data_parallel
 
     def grad_accum_for(self, world_size: int) -> int:
         """Micro steps per optimizer step on `world_size` workers that keep the global
         batch (an elastic run that lost workers accumulates more)."""
-        return self.global_batch // (self.train.micro_batch_size * world_size)
+        replicas = world_size // self.model_parallel
+        return self.global_batch // (self.train.micro_batch_size * replicas)
 
     @property
     def tokens_per_step(self) -> int:

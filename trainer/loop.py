@@ -141,17 +141,17 @@ def evaluate(
 ) -> dict[str, float]:
     """Token-weighted mean loss over the eval set (or its first eval_batches per rank)."""
     loss_sum, count = 0.0, 0.0
+    replica, replicas = cfg.data_rank(rt.rank, rt.world_size)
     with strategy.evaluating():
         for ix in eval_indices(
-            len(blocks), cfg.train.micro_batch_size, rt.world_size, rt.rank, cfg.train.eval_batches
+            len(blocks), cfg.train.micro_batch_size, replicas, replica, cfg.train.eval_batches
         ):
             ids, labels = blocks.gather(ix)
             x, y = torch.from_numpy(ids).to(device), torch.from_numpy(labels).to(device)
-            with strategy.precision():
-                out = strategy.model(input_ids=x, labels=y)
+            loss = strategy.eval_loss(x, y)
             n = _target_count(y)  # the predictions the loss averaged over
             if n:  # a batch of prompt tokens only has no loss (HF returns NaN for it)
-                loss_sum += float(out.loss) * n
+                loss_sum += loss * n
                 count += n
     loss_sum, count = _all_reduce_sum([loss_sum, count], device, rt.world_size)
     loss = loss_sum / max(count, 1.0)
@@ -177,11 +177,13 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     train_blocks = PackedBlocks(TokenCache(Path(prep.train_cache)), cfg.data.block_size)
     # The global batch is fixed by the config; on fewer workers (an elastic run that lost
     # a node) each accumulates more micro steps, and the global sample order is unchanged.
+    # Workers of one model-parallel group (tp × pp) read the same batches: one replica.
+    replica, replicas = cfg.data_rank(rt.rank, rt.world_size)
     plan = BatchPlan(
         len(train_blocks),
         cfg.train.micro_batch_size,
         cfg.grad_accum_for(rt.world_size),
-        rt.world_size,
+        replicas,
         cfg.train.seed,
     )
     if plan.steps_per_epoch < 1:
@@ -206,6 +208,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
             global_batch=cfg.global_batch,
             block_size=cfg.data.block_size,
             run_name=cfg.run.name,
+            reads=getattr(strategy, "reads_layouts", ()),
         ),
         {
             "strategy": StrategyPart(strategy),
@@ -250,7 +253,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     peak = peak_flops(
         torch.cuda.get_device_name(device) if device.type == "cuda" else None, cfg.train.precision
     )
-    batches = StepBatches(train_blocks, plan, rt.rank)
+    batches = StepBatches(train_blocks, plan, replica)
     last: dict[str, Any] = {}
     strategy.model.train()
     window_start, window_tokens = time.perf_counter(), 0
@@ -265,12 +268,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
             x = torch.from_numpy(ids).to(device, non_blocking=True)
             y = torch.from_numpy(labels).to(device, non_blocking=True)
             with strategy.accumulating(m == len(micro) - 1):
-                with strategy.precision():
-                    # Only the loss is kept: holding the output would keep its logits (a
-                    # vocab-sized row per token) alive through the backward pass.
-                    loss = strategy.model(input_ids=x, labels=y, num_items_in_batch=per_rank).loss
-                strategy.backward(loss)
-            loss_acc += loss.detach()
+                loss_acc += strategy.train_micro(x, y, per_rank)
         lr = scheduler.get_last_lr()[0]
         grad_norm = strategy.step()
         scheduler.step()
@@ -443,8 +441,8 @@ def _write_probe(
     """Logits of the final in-memory model on a fixed input, written next to the
     checkpoints, so anyone can verify the export is the trained model. Collective."""
     x = torch.from_numpy(blocks.gather(np.array([0]))[0][:, :16]).to(device)
-    with strategy.evaluating(), strategy.precision():
-        logits = strategy.model(input_ids=x).logits.float().cpu()
+    with strategy.evaluating():
+        logits = strategy.logits(x).float().cpu()
     if rt.rank == 0:
         loc = rt.run.join("final_probe.json")
         body = json.dumps({"input_ids": x.cpu().tolist(), "logits": logits.tolist()})

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -235,6 +235,12 @@ class Setup:
     merge_on_export: bool = False
     fsdp_reshard: bool = True
     fsdp_cpu_offload: bool = False
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    microbatches: int = 1
+    """Pipeline microbatches each micro batch is cut into (FSDP with pp > 1)."""
+    grad_accum: int = 1
     offload_optimizer: str = "none"  # DeepSpeed: none | cpu | nvme
     offload_param: str = "none"
 
@@ -247,6 +253,10 @@ class Setup:
             kw = {
                 "fsdp_reshard": s.reshard_after_forward,
                 "fsdp_cpu_offload": s.cpu_offload,
+                "tp": s.tp,
+                "pp": s.pp,
+                "pp_schedule": s.pp_schedule,
+                "microbatches": s.n_microbatches,
             }
         elif isinstance(s, DeepSpeedOptions):
             from trainer import dsconfig
@@ -280,6 +290,7 @@ class Setup:
             lora_r=cfg.model.lora.r,
             lora_targets=tuple(cfg.model.lora.target_modules),
             merge_on_export=cfg.model.lora.merge_on_export,
+            grad_accum=cfg.train.grad_accum,
             **kw,
         )
 
@@ -406,6 +417,8 @@ def rank_memory(shape: ModelShape, s: Setup) -> RankMemory:
         if n > 1:
             notes.append("gradients include DDP's bucket buffers (same size as the gradients)")
         opt = float(o * m)
+    elif s.strategy == "fsdp" and s.tp * s.pp > 1:
+        w, g, opt, notes = _model_parallel_memory(shape, s)
     elif s.strategy == "fsdp":
         p = c
         live = shape.params if not s.fsdp_reshard else 2 * shape.layer_params
@@ -429,8 +442,8 @@ def rank_memory(shape: ModelShape, s: Setup) -> RankMemory:
         g = on_gpu_opt * c * m / n + bucket
         held = g  # DeepSpeed allocates its partitions and buckets once, for the whole run
         opt = on_gpu_opt * (master + o) * m / n
-    act_full = activation_bytes(shape, s, False)
-    act_ckpt = activation_bytes(shape, s, True)
+    act_full = _stage_activations(shape, s, False)
+    act_ckpt = _stage_activations(shape, s, True)
     overhead = GPU_OVERHEAD if s.gpu else CPU_RANK_OVERHEAD
     return RankMemory(
         weights=w,
@@ -447,6 +460,99 @@ def rank_memory(shape: ModelShape, s: Setup) -> RankMemory:
             "total: gradients fill as backward frees the activations, so the larger counts",
         ],
     )
+
+
+def _rank_params(shape: ModelShape, s: Setup) -> tuple[float, float, float]:
+    """(parameters one rank's model-parallel share holds before dp sharding, of which in
+    one decoder layer, of which outside the layers). TP splits the decoder matrices over
+    tp; embeddings, norms and lm_head stay whole (replicated over tp). PP gives each rank
+    layers / pp layers, and the worst rank one of the embedding and the LM head."""
+    layer = shape.layer_params / s.tp
+    root = shape.root_params if s.pp == 1 else shape.root_params / 2
+    return shape.layers / s.pp * layer + root, layer, root
+
+
+def _model_parallel_memory(shape: ModelShape, s: Setup) -> tuple[float, float, float, list[str]]:
+    """FSDP2 over dp of a (pp, tp) model-parallel share. Under pp the stage's weights stay
+    gathered through the step (every microbatch in flight uses them) and its gradients
+    accumulate unsharded until the last microbatch's backward."""
+    c, o = s.c, s.optim_bytes
+    share, layer, root = _rank_params(shape, s)
+    dp = max(1, s.world // (s.tp * s.pp))
+    live = share if (s.pp > 1 or not s.fsdp_reshard) else root + 2 * layer
+    weights = 4 * share / dp + c * live
+    grads = 4 * share / dp + (c * share if s.pp > 1 else c * (root + layer))
+    notes = [
+        f"(dp {dp}, pp {s.pp}, tp {s.tp}): this rank holds {_short(int(share))} parameters "
+        f"before sharding over dp"
+    ]
+    return weights, grads, float(o * share / dp), notes
+
+
+def _in_flight(s: Setup) -> float:
+    """Microbatches whose activations a pipeline rank holds at its peak: all of them for
+    GPipe, up to pp for 1F1B and ZB-V, and for interleaved 1F1B (v = 2 stages per rank)
+    Megatron's pp · (1 + (pp - 1) / (pp · v))."""
+    m, pp = s.microbatches, s.pp
+    if s.pp_schedule == "gpipe":
+        return float(m)
+    if s.pp_schedule == "interleaved_1f1b":
+        return min(m, pp) * (1 + (pp - 1) / (pp * 2))
+    return float(min(m, pp))
+
+
+def _stage_activations(shape: ModelShape, s: Setup, checkpointing: bool) -> float:
+    """Activations of one rank: `activation_bytes` with the local heads and MLP width
+    under tp (the layer inputs and norms stay whole: no sequence parallelism), and under
+    pp the stage's layers for every microbatch in flight, the logits for one (for all
+    under GPipe)."""
+    if s.strategy != "fsdp" or s.tp * s.pp == 1:
+        return activation_bytes(shape, s, checkpointing)
+    local = replace(
+        shape,
+        heads=max(1, shape.heads // s.tp),
+        kv_heads=max(1, shape.kv_heads // s.tp),
+        intermediate=shape.intermediate // s.tp,
+        head_dim=shape.hd,
+        layers=max(1, shape.layers // s.pp),
+    )
+    if s.pp == 1:
+        return activation_bytes(local, s, checkpointing)
+    mb = replace(s, micro_batch=max(1, s.micro_batch // s.microbatches))
+    head = activation_bytes(replace(local, layers=0), mb, False)
+    layers = activation_bytes(local, mb, checkpointing) - head
+    heads_held = s.microbatches if s.pp_schedule == "gpipe" else 1
+    return _in_flight(s) * layers + heads_held * head
+
+
+def communication(shape: ModelShape, s: Setup) -> dict[str, float]:
+    """Bytes one rank sends per optimizer step, by mesh dim (ring collectives: an
+    all-gather or reduce-scatter of B bytes sends B·(n-1)/n, an all-reduce twice that).
+
+    - dp: FSDP all-gathers the rank's share of weights each micro step (again in backward
+      when it reshards after forward; not under pp) and reduce-scatters fp32 gradients
+      once; DDP all-reduces fp32 gradients.
+    - tp: two all-reduces of the hidden state per decoder layer in forward, two in
+      backward, for every token of the micro batch.
+    - pp: the hidden state forward and its gradient back across each stage boundary this
+      rank owns, per token.
+    With ranks laid out (dp, pp, tp), tp groups are consecutive ranks (inside a node when
+    tp <= GPUs per node); dp traffic crosses nodes as soon as there is more than one."""
+    c, a = s.c, s.grad_accum
+    tokens = s.micro_batch * s.block_size
+    if s.strategy == "ddp" or s.adapter != "none":
+        n = s.world
+        return {"dp": 2 * 4.0 * shape.params * (n - 1) / n, "tp": 0.0, "pp": 0.0}
+    if s.strategy != "fsdp":
+        return {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+    share, _, _ = _rank_params(shape, s)
+    dp = max(1, s.world // (s.tp * s.pp))
+    gathers = 1 if (s.pp > 1 or not s.fsdp_reshard) else 2
+    dp_bytes = (a * gathers * c * share + 4 * share) * (dp - 1) / dp
+    tp_bytes = a * (shape.layers / s.pp) * 4 * tokens * shape.hidden * c * 2 * (s.tp - 1) / s.tp
+    stages = 2 if s.pp_schedule in ("interleaved_1f1b", "zbv") else 1
+    pp_bytes = a * 2 * stages * tokens * shape.hidden * c if s.pp > 1 else 0.0
+    return {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_bytes}
 
 
 def _adapter_memory(shape: ModelShape, s: Setup) -> tuple[float, float, float, list[str]]:
@@ -703,6 +809,8 @@ class Plan:
     cheapest: Layout | None
     tokens_per_epoch: int | None
     notes: list[str] = field(default_factory=list)
+    comm: dict[str, float] = field(default_factory=dict)
+    """Bytes per rank per optimizer step, by mesh dim (see `communication`)."""
 
     @property
     def refused(self) -> bool:
@@ -739,6 +847,7 @@ class Plan:
             "tokens_per_epoch": self.tokens_per_epoch,
             "refused": self.refused,
             "notes": self.notes,
+            "comm_bytes_per_step": self.comm,
         }
 
 
@@ -781,6 +890,7 @@ def plan(
         cheapest=cheapest,
         tokens_per_epoch=tokens_per_epoch,
         notes=notes,
+        comm=communication(shape, s),
     )
 
 
@@ -910,6 +1020,12 @@ def format_plan(p: Plan) -> str:
             )
     if p.layout is None and p.cheapest is None and s.gpu:
         lines += ["", "no catalog layout fits this job at up to 64 workers"]
+    if any(p.comm.values()):
+        lines.append(
+            "sent per rank per step: "
+            + ", ".join(f"{k} {gib(v)}" for k, v in p.comm.items() if v)
+            + " (tp stays inside a node; dp and pp cross nodes)"
+        )
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
 

@@ -55,6 +55,10 @@ def check_model(cfg: JobConfig, strict: bool, report: Report) -> None:
         raise UserError(f"{src}:{exc.lineno}: not valid JSON") from None
     limit = mcfg.get("max_position_embeddings")
     report.max_positions = limit
+    if cfg.model_parallel > 1:
+        from trainer.parallel.layout import check_model_layout
+
+        check_model_layout(cfg.strategy, mcfg, src)
     if isinstance(limit, int) and cfg.data.block_size > limit:
         raise ConfigError(
             f"data.block_size: {cfg.data.block_size} exceeds the model's "

@@ -155,16 +155,18 @@ def _stop_resume_export(ray_cluster, path, reference, resume_overrides=(), how="
 
 
 def test_fsdp_matches_ddp_resumes_on_one_worker_and_exports(ray_cluster, job, ddp_losses):
-    """FSDP from the same seed agrees with DDP step by step; it stops at 6 on two workers
-    and resumes on one (same global batch: grad_accum 2; DCP reshards); its gathered
-    export reproduces the trained model's logits with plain transformers."""
-    path = job("fsdp", strategy={"name": "fsdp"})
+    """FSDP from the same seed agrees with DDP step by step. Through Ray Train it trains
+    steps 1-6 with tensor parallelism (tp=2 over both workers, one replica: grad_accum 2
+    keeps DDP's global batch of 8), then resumes as plain FSDP on one worker (dcp/2 loads
+    on another layout and world size); its gathered export reproduces the trained
+    model's logits with plain transformers."""
+    path = job("fsdp", strategy={"name": "fsdp", "tp": 2}, train={"grad_accum": 2})
     _, run_dir = _stop_resume_export(
-        ray_cluster, path, ddp_losses, ["scaling.num_workers=1", "train.grad_accum=2"], "stop"
+        ray_cluster, path, ddp_losses, ["scaling.num_workers=1", "strategy.tp=1"], "stop"
     )
     state = json.loads((run_dir / "step_00000012" / "trainer_state.json").read_text())
-    assert (state["strategy"], state["layout"], state["world_size"]) == ("fsdp", "dcp/1", 1)
-    assert (run_dir / "step_00000008" / "strategy" / "dcp" / ".metadata").exists()
+    assert (state["strategy"], state["layout"], state["world_size"]) == ("fsdp", "dcp/2", 1)
+    assert (run_dir / "step_00000008" / "strategy" / "dcp2" / ".metadata").exists()
     # (The same run name under another strategy is refused, naming both: unit-tested in
     # tests/unit/test_checkpoint.py; a job error reaching the user is test_ray_train's.)
 

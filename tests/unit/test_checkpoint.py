@@ -177,3 +177,21 @@ def test_manager_refuses_another_strategy_layout_or_format(tmp_path):
     (dest / ck.STATE_FILE).write_text(json.dumps(state))
     with pytest.raises(CheckpointError, match="checkpoint format 1 is not"):
         _manager(_identity(), _Counter(0), ck.TrainState()).restore(dest)
+
+
+def test_identity_reads_an_older_layout_it_declares(tmp_path):
+    """FSDP writes dcp/2 and still reads dcp/1 when tp = pp = 1; the declared list is not
+    written into the checkpoint."""
+    import pytest
+
+    from trainer.errors import CheckpointError
+
+    dest = _save_world(tmp_path, _identity(strategy="fsdp", layout="dcp/1"))
+    reader = _identity(strategy="fsdp", layout="dcp/2", reads=("dcp/1",))
+    _manager(reader, _Counter(0), ck.TrainState()).restore(dest)
+    with pytest.raises(CheckpointError, match=re.escape("(layout dcp/1), this job uses fsdp")):
+        _manager(_identity(strategy="fsdp", layout="dcp/2"), _Counter(0), ck.TrainState()).restore(
+            dest
+        )
+    new = _save_world(tmp_path / "b", reader)
+    assert "reads" not in json.loads((new / ck.STATE_FILE).read_text())

@@ -4,9 +4,10 @@ A strategy builds the model from the model source (plain load for DDP, meta-devi
 skeleton + sharded load for FSDP2, a 4-bit load for QLoRA), its optimizer and its
 precision context; it runs backward and the optimizer step (clipping included, returning
 the grad norm); it saves and loads its own resume state; and it writes the user's export
-(a plain Hugging Face folder, or a PEFT adapter folder). The loop calls exactly the
-methods of `Strategy` and never asks which one it has; adding one means a module that
-implements them and a line in `build_strategy`.
+(a plain Hugging Face folder, or a PEFT adapter folder). It runs the model for the loop
+(`train_micro`, `eval_loss`, `logits`), so a pipeline's stages stay its own business.
+The loop calls exactly the methods of `Strategy` and never asks which one it has; adding
+one means a module that implements them and a line in `build_strategy`.
 
 A strategy knows nothing about data, Ray or storage: it reads and writes local folders.
 """
@@ -51,6 +52,17 @@ class Strategy(Protocol):
         """Skip gradient synchronisation on all but the last micro step."""
 
     def backward(self, loss: torch.Tensor) -> None: ...
+
+    def train_micro(self, x: torch.Tensor, y: torch.Tensor, num_items: Any) -> torch.Tensor:
+        """Forward and backward of one micro batch (under `accumulating`); its loss, a
+        token sum over `num_items`, detached, the same on every rank of a model replica.
+        A pipelined strategy runs its whole schedule here."""
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Mean loss over the batch's target tokens (inside `evaluating()`)."""
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits for `x` on every rank (inside `evaluating()`)."""
 
     def step(self) -> float:
         """Clip (if configured), step the optimizer, zero the grads; the global grad norm."""

@@ -81,6 +81,39 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> 
     return float(norm)
 
 
+class ModelCalls:
+    """How the loop runs the model, for strategies whose `model` is the whole model (DDP,
+    ZeRO, FSDP without pipeline stages). A pipelined strategy overrides all three: its
+    schedule runs forward and backward together, and only its last stage has logits."""
+
+    model: torch.nn.Module
+
+    def precision(self) -> contextlib.AbstractContextManager:
+        raise NotImplementedError
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def train_micro(self, x: torch.Tensor, y: torch.Tensor, num_items: Any) -> torch.Tensor:
+        """Forward and backward of one micro batch; its loss (a token sum over
+        `num_items`), detached. Only the loss is kept: holding the output would keep its
+        logits (a vocab-sized row per token) alive through the backward pass."""
+        with self.precision():
+            loss = self.model(input_ids=x, labels=y, num_items_in_batch=num_items).loss
+        self.backward(loss)
+        return loss.detach()
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Mean loss over the batch's targets (call inside `evaluating()`)."""
+        with self.precision():
+            return float(self.model(input_ids=x, labels=y).loss)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's logits for `x`, on every rank (call inside `evaluating()`)."""
+        with self.precision():
+            return self.model(input_ids=x).logits
+
+
 class Evaluating:
     """Eval mode + no grad, then back to train mode. The model stays in train mode outside
     evaluation (bitsandbytes' 4-bit layers rewrite their weights in eval mode on some

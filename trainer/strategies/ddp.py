@@ -22,6 +22,7 @@ from trainer.model import load_model
 from trainer.strategies import ModelSource
 from trainer.strategies.common import (
     Evaluating,
+    ModelCalls,
     autocast,
     build_optimizer,
     clip_grad_norm,
@@ -30,7 +31,7 @@ from trainer.strategies.common import (
 )
 
 
-class DDPStrategy:
+class DDPStrategy(ModelCalls):
     name = "ddp"
     layout = "ddp/1"
 

@@ -32,6 +32,7 @@ from trainer.model import load_model, model_config
 from trainer.strategies import ModelSource, param_groups
 from trainer.strategies.common import (
     Evaluating,
+    ModelCalls,
     StorageCounter,
     optimizer_state_tensors,
     param_tensors,
@@ -65,7 +66,7 @@ def skip_inference_comm_op() -> None:
         deepspeed.ops.__compatible_ops__ = {"deepspeed_shm_comm": False}
 
 
-class DeepSpeedStrategy:
+class DeepSpeedStrategy(ModelCalls):
     name = "deepspeed"
     layout = "deepspeed/1"
 

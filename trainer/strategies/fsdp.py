@@ -1,20 +1,28 @@
-"""FSDP2: `fully_shard` per decoder layer, then the root.
+"""FSDP2 over the dp dim of a (dp, pp, tp) device mesh, with tensor and pipeline
+parallelism from trainer.parallel when tp or pp is above 1.
 
-The model is built as a skeleton (parameters on the meta device, real buffers), sharded,
-materialised, and only then filled from the safetensors files: every rank memory-maps the
-checkpoint and copies in just its shards, so no rank ever holds the whole model. FSDP
-does not broadcast initial weights the way DDP does, so the weights every rank builds
-must be equal: the grown embedding rows come from a seeded generator (trainer.model).
+The model is built as a skeleton (parameters on the meta device, real buffers), cut to
+this rank's pipeline stage(s), split over tp, sharded over dp, materialised, and only then
+filled from the safetensors files: every rank memory-maps the checkpoint and copies in
+just its shards, so no rank ever holds the whole model. FSDP does not broadcast initial
+weights the way DDP does, so the weights every rank builds must be equal: the grown
+embedding rows come from a seeded generator (trainer.model).
 
-Resume state (layout `dcp/1`): a `torch.distributed.checkpoint` folder, sharded, with
-the model and optimizer; DCP reshards on load, so a run can resume on another world size.
-The export gathers a full state dict on rank 0 (CPU, one copy) and saves a plain Hugging
-Face folder.
+With pp > 1 the strategy's train step runs the pipeline schedule (forward and backward of
+every microbatch together); the loop still sees one call per micro step and a loss.
+
+Resume state (layout `dcp/2`): a `torch.distributed.checkpoint` folder, sharded, with the
+model and the *flattened* optimizer state, both keyed by Hugging Face parameter names, so
+it loads on another (dp, pp, tp) layout and another world size (DCP reshards). The older
+`dcp/1` (nested optimizer state) still loads into a plain FSDP run (tp = pp = 1). The
+export gathers a plain Hugging Face folder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,15 +36,17 @@ from trainer.model import full_state_dict, model_config
 from trainer.strategies import ModelSource
 from trainer.strategies.common import (
     Evaluating,
+    ModelCalls,
     build_optimizer,
-    clip_grad_norm,
     torch_state_nbytes,
 )
 
+IGNORE = -100
 
-class FSDPStrategy:
+
+class FSDPStrategy(ModelCalls):
     name = "fsdp"
-    layout = "dcp/1"
+    layout = "dcp/2"
 
     def __init__(self, cfg: JobConfig, device: torch.device, world_size: int):
         assert isinstance(cfg.strategy, FSDPOptions)
@@ -44,20 +54,56 @@ class FSDPStrategy:
         self.opts: FSDPOptions = cfg.strategy
         self.device = device
         self.world_size = world_size
+        self.pp, self.tp = self.opts.pp, self.opts.tp
+        self.dp = world_size // (self.pp * self.tp)
+        # Plain FSDP still reads the nested optimizer state it wrote before dcp/2.
+        self.reads_layouts: tuple[str, ...] = ("dcp/1",) if self.pp == self.tp == 1 else ()
         self.model: torch.nn.Module
         self.optimizer: torch.optim.Optimizer
+        self.parts: list[torch.nn.Module] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+
+    # ------------------------------------------------------------------ building
 
     def setup(self, source: ModelSource) -> None:
+        from trainer.parallel.mesh import Layout, build_mesh
+
+        if not dist.is_initialized():
+            # One process (torchrun with one rank): FSDP still needs a process group.
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        self.mesh = build_mesh(Layout(self.dp, self.pp, self.tp), self.device)
+        conf = model_config(source.model_dir, self.cfg, source.vocab_size)
+        std = float(getattr(conf, "initializer_range", 0.02))
+        weights = full_state_dict(source.model_dir, source.vocab_size, std, self.cfg.train.seed)
+        self.n_stages = self.pp * self.opts.stages_per_rank
+        if self.pp > 1:
+            from trainer.parallel.pipeline import stage_ids
+
+            pp_rank = self.mesh["pp"].get_local_rank()
+            self.stage_ids = stage_ids(
+                pp_rank, self.pp, self.opts.stages_per_rank, self.opts.pp_schedule
+            )
+        else:
+            self.stage_ids = [0]
+        self.parts = [self._build_part(conf, stage, weights, source) for stage in self.stage_ids]
+        self.optimizers = [build_optimizer(self.cfg, part) for part in self.parts]
+        if len(self.parts) == 1:
+            self.model, self.optimizer = self.parts[0], self.optimizers[0]
+        else:
+            self.model = torch.nn.ModuleList(self.parts)
+            self.optimizer = OptimizerGroup(self.optimizers)
+        if self.pp > 1:
+            self._build_schedule()
+
+    def _build_part(
+        self, conf: Any, stage: int, weights: dict[str, Any], source: ModelSource
+    ) -> torch.nn.Module:
         from accelerate import init_empty_weights
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
-        if not dist.is_initialized():
-            # One process (torchrun with one rank): FSDP still needs a process group.
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         cfg = self.cfg
-        conf = model_config(source.model_dir, cfg, source.vocab_size)
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(
                 conf, attn_implementation=cfg.model.attn_implementation, dtype=torch.float32
@@ -66,17 +112,28 @@ class FSDPStrategy:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+        if self.pp > 1:
+            from trainer.parallel.pipeline import cut_to_stage
+
+            cut_to_stage(model, stage, self.n_stages)
+        layers = decoder_layers(model, self.opts.layer_class)
+        if self.tp > 1:
+            from trainer.parallel.tp import apply_tp
+
+            apply_tp(layers, model.config, self.mesh["tp"])
         bf16 = self.device.type == "cuda" and cfg.train.precision == "bf16"
         kwargs: dict[str, Any] = {
+            "mesh": self.mesh["dp"],
             "mp_policy": MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16 if bf16 else None,
                 reduce_dtype=torch.float32 if bf16 else None,
             ),
-            "reshard_after_forward": self.opts.reshard_after_forward,
+            # A stage's weights are used by every microbatch in flight: resharding after
+            # each forward would all-gather them once per microbatch.
+            "reshard_after_forward": self.opts.reshard_after_forward and self.pp == 1,
         }
         if self.opts.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
-        layers = decoder_layers(model, self.opts.layer_class)
         for layer in layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
@@ -86,35 +143,148 @@ class FSDPStrategy:
         with torch.no_grad():
             for n, b in model.named_buffers():
                 b.copy_(buffers[n].to(b.device))
-        std = float(getattr(conf, "initializer_range", 0.02))
-        weights = full_state_dict(source.model_dir, source.vocab_size, std, cfg.train.seed)
+        own = set(model.state_dict())
+        mine = {k: v for k, v in weights.items() if k in own}
         result = set_model_state_dict(
-            model, weights, options=StateDictOptions(full_state_dict=True, strict=False)
+            model, mine, options=StateDictOptions(full_state_dict=True, strict=False)
         )
         tied = set(_tied_keys(model))
         missing = [k for k in result.missing_keys if k not in tied]
-        if missing or result.unexpected_keys:
+        if missing or (self.pp == 1 and len(mine) < len(weights)):
+            unexpected = sorted(set(weights) - own)
             raise UserError(
                 f"{source.model_dir}: weights do not match the model (missing {missing[:3]}, "
-                f"unexpected {list(result.unexpected_keys)[:3]})"
+                f"unexpected {unexpected[:3]})"
             )
         model.config.use_cache = False
-        self.model = model
-        self.optimizer = build_optimizer(cfg, model)
+        return model
+
+    def _build_schedule(self) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        from trainer.parallel.pipeline import build_schedule
+
+        group = self.mesh["pp"].get_group()
+        stages = [
+            PipelineStage(part, s, self.n_stages, self.device, group=group)
+            for part, s in zip(self.parts, self.stage_ids, strict=True)
+        ]
+        self.has_first = 0 in self.stage_ids
+        self.has_last = self.n_stages - 1 in self.stage_ids
+        self._divisor = torch.ones((), device=self.device)
+        self.schedule = build_schedule(
+            self.opts.pp_schedule, stages, self.opts.n_microbatches, self._loss
+        )
+
+    # ------------------------------------------------------------------ steps
 
     def precision(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # the mixed-precision policy casts per module
 
     @contextlib.contextmanager
     def accumulating(self, last_micro_step: bool) -> Iterator[None]:
-        self.model.set_requires_gradient_sync(last_micro_step)  # type: ignore[operator]
+        if self.pp == 1:
+            # Under pp the stages sync FSDP's gradients themselves, once per schedule step.
+            self.model.set_requires_gradient_sync(last_micro_step)  # type: ignore[operator]
         yield
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from trainer.parallel.pipeline import token_loss_sum
+
+        return token_loss_sum(logits, labels) / self._divisor
+
+    def _pipeline(self, x: torch.Tensor, y: torch.Tensor, train: bool) -> tuple[Any, torch.Tensor]:
+        """One schedule step over micro batch (x, y); (last stage's outputs, the summed
+        microbatch losses, the same on every stage of the pipeline)."""
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.has_first else ()
+        target = y if self.has_last else None
+        if train:
+            out = self.schedule.step(*args, target=target, losses=losses if self.has_last else None)
+        elif self.opts.pp_schedule == "zbv":
+            out = self._forward_only(x, y, losses)  # torch's ZB-V cannot run forward-only
+        else:
+            out = self.schedule.eval(*args, target=target, losses=losses if self.has_last else None)
+        total = torch.zeros((), device=self.device)
+        if self.has_last:
+            total = torch.stack([loss.detach().float() for loss in losses]).sum()
+        # Only the last stage has the loss; the other stages report it too.
+        dist.all_reduce(total, group=self.mesh["pp"].get_group())
+        return out, total
+
+    def _forward_only(self, x: torch.Tensor, y: torch.Tensor, losses: list[Any]) -> Any:
+        """The whole batch through the stages in order, hidden states sent point to point
+        between the ranks that own neighbouring stages (no grad, no microbatches)."""
+        from trainer.parallel.pipeline import stage_ids
+
+        group = self.mesh["pp"].get_group()
+        me = self.mesh["pp"].get_local_rank()
+        owner = {}
+        for r in range(self.pp):
+            for st in stage_ids(r, self.pp, self.opts.stages_per_rank, self.opts.pp_schedule):
+                owner[st] = r
+        parts = dict(zip(self.stage_ids, self.parts, strict=True))
+        hidden = self.parts[0].config.hidden_size
+        h: Any = x
+        for st in range(self.n_stages):
+            if owner[st] != me:
+                continue
+            if st > 0 and owner[st - 1] != me:
+                h = torch.empty((*x.shape, hidden), device=self.device)
+                dist.recv(h, group=group, group_src=owner[st - 1])
+            h = parts[st](h)
+            if st < self.n_stages - 1 and owner[st + 1] != me:
+                dist.send(h.contiguous(), group=group, group_dst=owner[st + 1])
+        if self.has_last:
+            losses.append(self._loss(h, y))
+            return h
+        return None
+
+    def train_micro(self, x: torch.Tensor, y: torch.Tensor, num_items: Any) -> torch.Tensor:
+        if self.pp == 1:
+            return super().train_micro(x, y, num_items)
+        self._divisor = torch.as_tensor(num_items, device=self.device, dtype=torch.float32)
+        return self._pipeline(x, y, train=True)[1]
+
+    def _fixed_shape(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pad a batch to the training shape (micro_batch_size × block_size): the stages'
+        communication buffers are shaped by the first step. Padded targets are ignored,
+        and attention is causal, so the real rows' and positions' results are unchanged."""
+        rows, cols = self.cfg.train.micro_batch_size, self.cfg.data.block_size
+        xp = torch.zeros((rows, cols), dtype=x.dtype, device=x.device)
+        yp = torch.full((rows, cols), IGNORE, dtype=y.dtype, device=y.device)
+        xp[: x.shape[0], : x.shape[1]] = x
+        yp[: y.shape[0], : y.shape[1]] = y
+        return xp, yp
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        if self.pp == 1:
+            return super().eval_loss(x, y)
+        n = int((y[:, 1:] != IGNORE).sum())
+        self._divisor = torch.ones((), device=self.device)
+        _, total = self._pipeline(*self._fixed_shape(x, y), train=False)
+        return float(total) / max(n, 1)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pp == 1:
+            return super().logits(x)
+        xp, yp = self._fixed_shape(x, torch.full_like(x, IGNORE))
+        self._divisor = torch.ones((), device=self.device)
+        out, _ = self._pipeline(xp, yp, train=False)
+        vocab = self.parts[0].config.vocab_size
+        logits = torch.zeros((x.shape[0], x.shape[1], vocab), device=self.device)
+        if self.has_last:
+            logits = out[: x.shape[0], : x.shape[1]].float().contiguous()
+        dist.all_reduce(logits, group=self.mesh["pp"].get_group())
+        return logits
+
     def step(self) -> float:
-        norm = clip_grad_norm(list(self.model.parameters()), self.cfg.optim.grad_clip)
+        params = [p for part in self.parts for p in part.parameters()]
+        norm = clip_grad_norm_mesh(params, self.cfg.optim.grad_clip, replicas=self.dp * self.tp)
+        # Through the group, when there are several: the LR scheduler watches its step.
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
@@ -122,24 +292,64 @@ class FSDPStrategy:
     def evaluating(self) -> contextlib.AbstractContextManager:
         return Evaluating(self.model)
 
-    def _state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+    # ------------------------------------------------------------------ state
 
-        msd, osd = get_state_dict(self.model, self.optimizer)
-        return {"model": msd, "optim": osd}
+    def _state(self) -> tuple[dict[str, Any], list[tuple[set[str], set[str]]]]:
+        """The whole rank's resume state, HF names, flattened optimizer state (so the
+        parts of several stages on one rank merge, and another layout can pick its
+        own), and each part's own keys (to hand each part only what is its)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        model_sd: dict[str, Any] = {}
+        optim_sd: dict[str, Any] = {}
+        keys = []
+        for part, opt in zip(self.parts, self.optimizers, strict=True):
+            msd, osd = get_state_dict(part, opt, options=opts)
+            model_sd.update(msd)
+            optim_sd.update(osd)
+            keys.append((set(msd), set(osd)))
+        return {"model": model_sd, "optim": optim_sd}, keys
 
     def save_state(self, out: Path, rank: int) -> None:
+        """The one place a dcp/2 resume state is written (an async saver wraps this)."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self._state(), checkpoint_id=str(out / "dcp"))
+        state, _ = self._state()
+        dcp.save(state, checkpoint_id=str(out / "dcp2"))
 
     def load_state(self, ckpt: Path, rank: int) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        if not (ckpt / "dcp" / ".metadata").exists():
-            raise CheckpointError(f"{ckpt}/dcp: no DCP metadata; not an FSDP resume state")
-        state = self._state()
+        if not (ckpt / "dcp2" / ".metadata").exists():
+            if (ckpt / "dcp" / ".metadata").exists():
+                return self._load_dcp1(ckpt)
+            raise CheckpointError(f"{ckpt}/dcp2: no DCP metadata; not an FSDP resume state")
+        state, keys = self._state()
+        dcp.load(state, checkpoint_id=str(ckpt / "dcp2"))
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        for part, opt, (mkeys, okeys) in zip(self.parts, self.optimizers, keys, strict=True):
+            set_state_dict(
+                part,
+                opt,
+                model_state_dict={k: state["model"][k] for k in mkeys},
+                optim_state_dict={k: state["optim"][k] for k in okeys},
+                options=opts,
+            )
+
+    def _load_dcp1(self, ckpt: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        if self.pp * self.tp > 1:
+            raise CheckpointError(
+                f"{ckpt}: written in layout dcp/1 (plain FSDP, nested optimizer state), "
+                f"which loads only with tp = pp = 1; this job (tp {self.tp}, pp {self.pp}) "
+                "needs dcp/2: resume once with tp = pp = 1 and checkpoint, or use a new run.name"
+            )
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=str(ckpt / "dcp"))
         set_state_dict(
             self.model,
@@ -151,19 +361,121 @@ class FSDPStrategy:
     def export(self, out: Path, rank: int, tokenizer: Any) -> bool:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        full = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        if rank != 0:
+        if self.pp == 1:
+            full = get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+            if rank != 0:
+                return False
+            self.model.save_pretrained(out / "model", state_dict=full, safe_serialization=True)  # type: ignore[operator]
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out / "model")
+            return True
+        return self._export_stages(out, rank, tokenizer)
+
+    def _export_stages(self, out: Path, rank: int, tokenizer: Any) -> bool:
+        """Each stage's first worker writes its stage's weights as one safetensors shard
+        of a plain HF folder; rank 0 adds the index, the config and the tokenizer. No rank
+        holds more than its own stages' full weights."""
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full: dict[str, torch.Tensor] = {}
+        for part in self.parts:
+            # Gathered on every worker of the stage (cpu_offload would keep it on global
+            # rank 0 only, which holds no stage but the first).
+            sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+            full.update({k: v.detach().cpu().contiguous() for k, v in sd.items()})
+        writer = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
+        pp_rank = self.mesh["pp"].get_local_rank()
+        name = f"model-{pp_rank + 1:05d}-of-{self.pp:05d}.safetensors"
+        shards: list[Any] = [None] * self.world_size
+        sizes = {k: v.numel() * v.element_size() for k, v in full.items()}
+        entry = (name, sizes) if writer else None
+        dist.all_gather_object(shards, entry)
+        if not writer:
             return False
-        self.model.save_pretrained(out / "model", state_dict=full, safe_serialization=True)  # type: ignore[operator]
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out / "model")
+        folder = out / "model"
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(full, str(folder / name), metadata={"format": "pt"})
+        if rank == 0:
+            weight_map = {k: f for f, sizes in filter(None, shards) for k in sizes}
+            total = sum(n for _, sizes in filter(None, shards) for n in sizes.values())
+            index = {
+                "metadata": {"total_size": total},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
+            (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            self.parts[0].config.save_pretrained(folder)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(folder)
         return True
 
     def state_nbytes(self) -> dict[str, int]:
         # Parameters, grads and Adam moments are DTensors: their local (padded) shards.
         return torch_state_nbytes(self.model, self.optimizer)
+
+
+class OptimizerGroup(torch.optim.Optimizer):
+    """One optimizer per pipeline stage on this rank (DCP keeps one per model part), seen
+    as one by the loop's LR scheduler: its param_groups are theirs (the same dicts)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+        self.param_groups = [g for opt in optimizers for g in opt.param_groups]
+        self.defaults = optimizers[0].defaults
+        self._optimizer_step_pre_hooks = {}  # type: ignore[assignment]
+        self._optimizer_step_post_hooks = {}  # type: ignore[assignment]
+
+    @property  # type: ignore[override]
+    def state(self) -> dict[Any, Any]:  # what memory accounting reads
+        return {p: st for opt in self.optimizers for p, st in opt.state.items()}
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+def clip_grad_norm_mesh(
+    params: list[torch.nn.Parameter], max_norm: float | None, replicas: int
+) -> float:
+    """The global gradient norm over every mesh dim, and clipping to `max_norm`.
+
+    `clip_grad_norm_` cannot stack norms of DTensors on different meshes (TP weights on
+    (dp, tp), norms and embeddings on dp only), and knows nothing of the pipeline. So:
+    each rank sums the squares of its local shards, each weighted by the share of the
+    stage's `replicas` (dp × tp) workers that hold that very shard (a weight sharded over
+    dp and tp: 1; a norm weight sharded over dp only: 1/tp), and one all-reduce over all
+    ranks adds the stages up."""
+    grads = []
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        pieces = 1
+        if hasattr(g, "to_local"):
+            mesh, placements = g.device_mesh, g.placements
+            for i, pl in enumerate(placements):
+                # Shard, or FSDP's _StridedShard over a TP shard (which is not is_shard()).
+                if not pl.is_replicate():
+                    pieces *= mesh.size(i)
+            g = g.to_local()
+        grads.append(g)
+        sq = sq.to(g.device)
+        sq += g.detach().double().pow(2).sum() * (pieces / replicas)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sq)
+    norm = math.sqrt(float(sq))
+    if max_norm is not None and grads:
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            torch._foreach_mul_(grads, coef)
+    return norm
 
 
 def decoder_layers(model: torch.nn.Module, layer_class: str | None) -> list[torch.nn.Module]:

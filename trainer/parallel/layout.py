@@ -1,0 +1,51 @@
+"""What a (dp, pp, tp) layout asks of the model, checked from its config.json before any
+worker starts (pure Python: the laptop's preflight runs it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer.errors import ConfigError
+
+
+def check_model_layout(strategy: Any, mcfg: dict[str, Any], src: str) -> None:
+    """Refuse, in one line each, a layout the model cannot be cut into. `strategy` is the
+    job's FSDPOptions; `mcfg` the model's config.json as a dict."""
+    tp, pp = getattr(strategy, "tp", 1), getattr(strategy, "pp", 1)
+    if tp > 1:
+        heads = mcfg.get("num_attention_heads")
+        kv = mcfg.get("num_key_value_heads") or heads
+        if not isinstance(heads, int):
+            raise ConfigError(
+                f"strategy.tp: {src} has no num_attention_heads; tensor parallelism needs a "
+                "decoder with attention heads (Llama, Mistral, Qwen2 families)"
+            )
+        for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
+            if n % tp:
+                raise ConfigError(
+                    f"strategy.tp: {tp} does not divide the model's {what} {n} ({src}); "
+                    f"use a divisor of {n}"
+                )
+        inter = mcfg.get("intermediate_size")
+        if isinstance(inter, int) and inter % tp:
+            raise ConfigError(
+                f"strategy.tp: {tp} does not divide the model's intermediate_size {inter} "
+                f"({src}); use a divisor of it"
+            )
+    if pp > 1:
+        layers = mcfg.get("num_hidden_layers")
+        stages = pp * strategy.stages_per_rank
+        if not isinstance(layers, int):
+            raise ConfigError(f"strategy.pp: {src} has no num_hidden_layers to cut into stages")
+        if layers % stages:
+            raise ConfigError(
+                f"strategy.pp: the model's {layers} layers do not split into {stages} equal "
+                f"stages (pp {pp} × {strategy.stages_per_rank} per worker for "
+                f"{strategy.pp_schedule}) ({src}); pick pp so that stages divide {layers}"
+            )
+        if mcfg.get("tie_word_embeddings", False):
+            raise ConfigError(
+                f"strategy.pp: the model ties its input and output embeddings ({src}), which "
+                "live on the first and last stage; pipeline parallelism refuses tied "
+                "embeddings in this build (use tp or plain fsdp)"
+            )
