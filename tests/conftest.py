@@ -159,6 +159,40 @@ def ddp_reference(ray_cluster, tiny, tmp_path_factory):
     return {"cfg": cfg, "summary": ref["summary"], "logs": ref["logs"], "run_dir": run_dir}
 
 
+_BUILD_CPU_ADAM = """
+import torch
+from trainer.strategies.deepspeed import prepare_environment
+prepare_environment(torch.device("cpu"))
+from deepspeed.ops.op_builder import CPUAdamBuilder
+CPUAdamBuilder().load(verbose=False)
+"""
+
+
+@pytest.fixture(scope="session")
+def ds_cpu_adam() -> Path:
+    """DeepSpeed's C++ CPU Adam, JIT-built once per CI run into the torch-extensions cache
+    that every process on this machine shares (trainer.strategies.deepspeed: under
+    TMPDIR, which `make test` starts fresh), so Ray workers load it instead of each
+    compiling it. It is what a user's offloaded ZeRO run gets; ~140 CPU-seconds to build
+    here. A file lock keeps two pytest-xdist workers from building it side by side."""
+    from filelock import FileLock
+
+    from trainer.strategies.deepspeed import EXTENSIONS_DIR
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR))
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / "cpu_adam.build.lock")):
+        done = subprocess.run(
+            [sys.executable, "-c", _BUILD_CPU_ADAM],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """Three Ray nodes on 127.0.0.1: a head with no CPUs (only the job driver and the

@@ -121,3 +121,72 @@ def _bucket_sizes(hidden: int | None) -> dict[str, int | None]:
 
 def stage(ds: dict[str, Any]) -> int:
     return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def offload_device(ds: dict[str, Any], which: str) -> str:
+    """`which` is offload_optimizer or offload_param; "none" when absent."""
+    node = ds.get("zero_optimization", {}).get(which) or {}
+    return str(node.get("device") or "none").lower()
+
+
+def client_optimizer(ds: dict[str, Any]) -> str | None:
+    """The optimizer Raylift builds for a JSON without an `optimizer` section (the Ray
+    template builds it in code): DeepSpeed's CPU Adam where the optimizer state lives in
+    CPU RAM or on NVMe (DeepSpeed refuses any other client optimizer there, and its C++
+    Adam is what it would build itself), torch's AdamW otherwise. None when the JSON
+    names its optimizer and DeepSpeed builds it."""
+    if "optimizer" in ds:
+        return None
+    return "cpu_adam" if offload_device(ds, "offload_optimizer") in ("cpu", "nvme") else "adamw"
+
+
+def nvme_paths(ds: dict[str, Any]) -> dict[str, str]:
+    """{"zero_optimization.offload_x.nvme_path": path} for every part offloaded to NVMe."""
+    zero = ds.get("zero_optimization", {})
+    return {
+        f"zero_optimization.{which}.nvme_path": str(zero[which].get("nvme_path") or "")
+        for which in ("offload_optimizer", "offload_param")
+        if offload_device(ds, which) == "nvme"
+    }
+
+
+def check(ds: dict[str, Any], source: str) -> None:
+    """Refuse a resolved config that cannot run, before any worker starts: one line naming
+    the file, the key and the fix. Pure, so the driver (and a laptop) runs it without a
+    GPU; what needs the worker nodes (NVMe paths, the async I/O op) is trainer.dsnodes'."""
+    for key, value in _leaves(ds):
+        if value == "auto":
+            raise ConfigError(
+                f'{source}: {key} is "auto" but the job has nothing to fill it from; set a value'
+            )
+    zero = ds.get("zero_optimization", {})
+    for which in ("offload_optimizer", "offload_param"):
+        device = offload_device(ds, which)
+        if device not in OFFLOAD_DEVICES:
+            raise ConfigError(
+                f"{source}: zero_optimization.{which}.device is {device!r}; use one of "
+                f"{', '.join(OFFLOAD_DEVICES)}"
+            )
+    if offload_device(ds, "offload_param") != "none" and stage(ds) != 3:
+        raise ConfigError(
+            f"{source}: zero_optimization.offload_param needs stage 3 (this file has stage "
+            f"{zero.get('stage')}); set stage to 3 or remove offload_param"
+        )
+    for key, path in nvme_paths(ds).items():
+        if not path:
+            raise ConfigError(
+                f"{source}: {key} is not set but the device is nvme; set it to a local NVMe "
+                "folder on every worker node, or use device cpu"
+            )
+
+
+def _leaves(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(node, dict):
+        out: list[tuple[str, Any]] = []
+        for k, v in node.items():
+            out += _leaves(v, f"{prefix}.{k}" if prefix else str(k))
+        return out
+    return [(prefix, node)]

@@ -102,12 +102,8 @@ def _rank0_selector(cfg: JobConfig) -> list[dict[str, str]] | None:
     return None
 
 
-def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
+def _connect_ray() -> None:
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    from trainer.loop import ray_worker
 
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
@@ -117,6 +113,33 @@ def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
                 "or run under torchrun"
             )
         ray.init(address=address, log_to_driver=True)
+
+
+def check_nodes(cfg: JobConfig, report: preflight.Report, torchrun: bool) -> None:
+    """What the config needs of the worker nodes themselves (a DeepSpeed NVMe offload's
+    folder and async I/O op), probed on those nodes before tokenizing or launching."""
+    if not report.deepspeed:
+        return
+    from trainer import dsconfig, dsnodes
+
+    paths = dsconfig.nvme_paths(report.deepspeed)
+    if not paths:
+        return
+    source = str(dsconfig.config_path(cfg.strategy.config))  # type: ignore[union-attr]
+    if torchrun:
+        dsnodes.check_here(paths, source)
+    else:
+        _connect_ray()
+        dsnodes.check_ray_nodes(paths, source, cfg.scaling.use_gpu)
+
+
+def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from trainer.loop import ray_worker
+
+    _connect_ray()
     from trainer.raycallbacks import FailureJournal
     from trainer.storage import retrying
 
@@ -250,6 +273,7 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
     report = preflight.run_all(cfg, strict=True)
     for note in report.notes:
         log.info("preflight: %s", note)
+    check_nodes(cfg, report, torchrun)
     if torchrun and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         # One process tokenizes; the others wait for its cache instead of racing it.
         prep = _prepare_rank0_first(cfg, rank)

@@ -22,6 +22,10 @@ SAMPLE_LINES = 1000
 class Report:
     notes: list[str] = field(default_factory=list)
     max_positions: int | None = None
+    hidden_size: int | None = None
+    deepspeed: dict | None = None
+    """The final DeepSpeed config (every "auto" filled), built where the model's config
+    could be read; the driver checks its NVMe paths on the worker nodes before launch."""
 
 
 def _local_or_note(path: str, what: str, strict: bool, report: Report) -> Path | None:
@@ -55,6 +59,8 @@ def check_model(cfg: JobConfig, strict: bool, report: Report) -> None:
         raise UserError(f"{src}:{exc.lineno}: not valid JSON") from None
     limit = mcfg.get("max_position_embeddings")
     report.max_positions = limit
+    hidden = mcfg.get("hidden_size")
+    report.hidden_size = hidden if isinstance(hidden, int) else None
     if cfg.model_parallel > 1:
         from trainer.parallel.layout import check_model_layout
 
@@ -124,7 +130,9 @@ def run_all(cfg: JobConfig, strict: bool = True) -> Report:
 
 def check_strategy(cfg: JobConfig, strict: bool, report: Report) -> None:
     """A DeepSpeed JSON is read and its "auto" values resolved against the job here, so a
-    contradiction is an error on the laptop, not on the cluster."""
+    contradiction is an error on the laptop, not on the cluster. With the model's
+    hidden size known (strict on the driver) the final config is built and checked here
+    too: what the workers would build, refused before any of them starts."""
     if cfg.strategy.name != "deepspeed":
         return
     from trainer import dsconfig
@@ -136,4 +144,7 @@ def check_strategy(cfg: JobConfig, strict: bool, report: Report) -> None:
     ):
         return
     raw, where = dsconfig.load(name)
-    dsconfig.resolve(raw, cfg, where)
+    ds = dsconfig.resolve(raw, cfg, where, hidden_size=report.hidden_size)
+    if report.hidden_size is not None:
+        dsconfig.check(ds, where)
+        report.deepspeed = ds

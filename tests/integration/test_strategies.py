@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.integration.test_ray_train import history, retrained, run_killed, run_to_end
-from trainer import dsconfig, journal
+from trainer import journal
 from trainer.storage import resolve
 
 pytestmark = pytest.mark.slow
@@ -171,29 +171,56 @@ def test_fsdp_matches_ddp_resumes_on_one_worker_and_exports(ray_cluster, job, dd
     # tests/unit/test_checkpoint.py; a job error reaching the user is test_ray_train's.)
 
 
-@pytest.mark.parametrize("config", ["zero2", "zero3", "zero3_offload"])
-def test_deepspeed_kill_resume_export(ray_cluster, job, ddp_losses, config, tmp_path):
-    """ZeRO-2, ZeRO-3 and ZeRO-3 with CPU optimizer/parameter offload, from the shipped
-    stock JSON files with "auto" values: same curve as DDP, a worker SIGKILLed after step
-    8 and the group resumed exactly from DeepSpeed's own checkpoint, and a gathered 16-bit
-    export that reproduces the logits.
+TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "ray_template"
+"""DeepSpeed files shaped like the Ray Llama-2 template's: ZeRO-3, "auto" everywhere, no
+optimizer section (the template builds its optimizer in code); the 7B one offloads
+optimizer and parameters to CPU, the 70B one the optimizer to NVMe."""
 
-    With offload, DeepSpeed's own optimizer is its C++ CPU Adam, which it JIT-compiles on
-    first use (~140 CPU-seconds on this 2-core machine; the trainer images prebuild it).
-    Here the offloaded run keeps every other line of the shipped JSON and swaps in
-    torch's AdamW (DeepSpeed's `torch_adam` switch): partitioning, offload, checkpoint
-    and export are DeepSpeed's real code either way."""
+
+@pytest.mark.parametrize("config", ["zero2", "zero3", "template_zero3_cpu_offload"])
+def test_deepspeed_kill_resume_export(ray_cluster, job, ddp_losses, config, request):
+    """ZeRO-2 and ZeRO-3 from the shipped stock JSON files, and the Ray template's own
+    ZeRO-3 + CPU offload file as users have it (no optimizer section, so Raylift builds
+    DeepSpeed's C++ CPU Adam, JIT-built once per CI run by the `ds_cpu_adam` fixture):
+    same curve as DDP, a worker SIGKILLed after step 8 and the group resumed exactly
+    from DeepSpeed's own checkpoint, and a gathered 16-bit export that reproduces the
+    logits with plain transformers."""
     source = config
-    if config == "zero3_offload":
-        stock, _ = dsconfig.load(config)
-        stock["optimizer"]["params"]["torch_adam"] = True
-        source = str(tmp_path / "zero3_offload_torch_adam.json")
-        Path(source).write_text(json.dumps(stock))
+    if config.startswith("template_"):
+        request.getfixturevalue("ds_cpu_adam")
+        source = str(TEMPLATE / "zero_3_llama_2_7b.json")
     path = job(f"ds-{config}", strategy={"name": "deepspeed", "config": source})
     _, run_dir = _stop_resume_export(ray_cluster, path, ddp_losses)
     state = json.loads((run_dir / "step_00000012" / "trainer_state.json").read_text())
     assert (state["strategy"], state["layout"]) == ("deepspeed", "deepspeed/1")
     assert (run_dir / "step_00000012" / "strategy" / "ds" / "state").is_dir()
+    if config.startswith("template_"):
+        # The offloaded optimizer state is CPU Adam's (fp32 moments for every parameter).
+        optim = list((run_dir / "step_00000012" / "strategy" / "ds" / "state").glob("*optim*"))
+        assert len(optim) == 2, optim  # one partition per rank
+
+
+def test_template_nvme_offload_is_refused_before_any_worker_starts(ray_cluster, job, capsys):
+    """The template's 70B file offloads the optimizer to /mnt/local_storage/zero. Where
+    the worker nodes lack that folder (or DeepSpeed's async_io op, which needs libaio),
+    the driver refuses the job in one line, naming the file, the key and the fix, before
+    tokenizing or starting a worker."""
+    from tools import submit
+
+    source = TEMPLATE / "zero_3_llama_2_70b.json"
+    assert not Path("/mnt/local_storage/zero").exists()
+    path = job("ds-nvme", strategy={"name": "deepspeed", "config": str(source)})
+    argv = [str(path), "--address", ray_cluster.dashboard_url, "--no-progress"]
+    assert submit.main(argv) == 1
+    out = capsys.readouterr()
+    tail = [x for x in out.err.splitlines() if x.startswith("  | ")]
+    want = (
+        f"{source}: on node 127.0.0.1: zero_optimization.offload_optimizer.nvme_path "
+        "/mnt/local_storage/zero does not exist; create it on every worker node"
+    )
+    assert any(want in x for x in tail), out.err
+    assert "Traceback" not in out.out + out.err
+    assert not (path.parent / "runs" / "ds-nvme").exists()  # no worker ever started
 
 
 # ------------------------------------------------------------------ LoRA / QLoRA

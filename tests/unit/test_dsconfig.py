@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -110,3 +111,99 @@ def test_shipped_configs_resolve(name):
 def test_unknown_shipped_name():
     with pytest.raises(ConfigError, match="'zero9' is not a shipped config"):
         dsconfig.load("zero9")
+
+
+# ------------------------------------------------------------------ the Ray template's files
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "ray_template"
+
+
+def _template(name: str) -> tuple[dict, str]:
+    return dsconfig.load(str(TEMPLATE / name))
+
+
+def test_template_7b_file_resolves_and_gets_deepspeeds_cpu_adam():
+    raw, where = _template("zero_3_llama_2_7b.json")
+    assert "optimizer" not in raw
+    ds = dsconfig.resolve(raw, cfg(), where, hidden_size=64)
+    dsconfig.check(ds, where)
+    assert "auto" not in json.dumps(ds)
+    assert dsconfig.client_optimizer(ds) == "cpu_adam"
+    assert dsconfig.nvme_paths(ds) == {}
+    assert "zero_force_ds_cpu_optimizer" not in ds  # DeepSpeed's own check stays on
+
+
+def test_template_70b_file_names_its_nvme_folder():
+    raw, where = _template("zero_3_llama_2_70b.json")
+    ds = dsconfig.resolve(raw, cfg(), where, hidden_size=64)
+    dsconfig.check(ds, where)
+    assert dsconfig.client_optimizer(ds) == "cpu_adam"
+    assert dsconfig.nvme_paths(ds) == {
+        "zero_optimization.offload_optimizer.nvme_path": "/mnt/local_storage/zero"
+    }
+
+
+@pytest.mark.parametrize(("name", "want"), [("zero2", "adamw"), ("zero3", "adamw")])
+def test_shipped_files_without_offload_get_torch_adamw(name, want):
+    raw, where = dsconfig.load(name)
+    assert dsconfig.client_optimizer(dsconfig.resolve(raw, cfg(), where, hidden_size=8)) == want
+    raw, where = dsconfig.load("zero3_offload")  # names its optimizer: DeepSpeed builds it
+    assert dsconfig.client_optimizer(raw) is None
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (
+            lambda z: z.update(sub_group_size="auto"),
+            'x.json: zero_optimization.sub_group_size is "auto" but the job has nothing',
+        ),
+        (
+            lambda z: z["offload_optimizer"].update(device="gpu"),
+            "x.json: zero_optimization.offload_optimizer.device is 'gpu'; use one of none, cpu",
+        ),
+        (
+            lambda z: z.update(stage=2),
+            "x.json: zero_optimization.offload_param needs stage 3 (this file has stage 2)",
+        ),
+        (
+            lambda z: z["offload_param"].update(device="nvme"),
+            "x.json: zero_optimization.offload_param.nvme_path is not set but the device is nvme",
+        ),
+    ],
+)
+def test_what_cannot_run_is_refused_in_one_line_naming_the_key(edit, needle):
+    raw, _ = _template("zero_3_llama_2_7b.json")
+    edit(raw["zero_optimization"])
+    ds = dsconfig.resolve(raw, cfg(), "x.json", hidden_size=64)
+    with pytest.raises(ConfigError) as exc:
+        dsconfig.check(ds, "x.json")
+    assert needle in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_preflight_builds_the_final_config_from_the_models_hidden_size(job, tiny):
+    from trainer.preflight import run_all
+
+    hidden = json.loads((tiny["model"] / "config.json").read_text())["hidden_size"]
+    source = TEMPLATE / "zero_3_llama_2_7b.json"
+    report = run_all(load_config(job(), ["strategy.name=deepspeed", f"strategy.config={source}"]))
+    assert report.deepspeed is not None
+    zero = report.deepspeed["zero_optimization"]
+    assert zero["reduce_bucket_size"] == hidden * hidden
+    assert zero["stage3_param_persistence_threshold"] == 10 * hidden
+
+
+def test_zero3_placeholder_parameters_are_grouped_by_their_full_shape():
+    """Under ZeRO-3 every parameter is an empty 1-D placeholder on each rank; weight decay
+    must still go to the matrices (DeepSpeed records the full shape as `ds_shape`)."""
+    import torch
+
+    from trainer.strategies import param_groups
+
+    model = torch.nn.Linear(4, 3)
+    for p in model.parameters():
+        p.ds_shape = p.shape
+        p.data = torch.empty(0)
+    decay, no_decay = param_groups(model, 0.1)
+    assert [p.ds_shape for p in decay["params"]] == [torch.Size([3, 4])]
+    assert [p.ds_shape for p in no_decay["params"]] == [torch.Size([3])]

@@ -106,12 +106,15 @@ def build_strategy(cfg: JobConfig, device: torch.device, rank: int, world_size: 
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices, not biases or norm weights (the usual LLM recipe)."""
+    """Decay matrices, not biases or norm weights (the usual LLM recipe). A ZeRO-3
+    parameter is an empty placeholder on every rank (its partition is elsewhere), so
+    its shape is DeepSpeed's `ds_shape`, not the placeholder's."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.ndim >= 2 else no_decay).append(p)
+        ndim = len(getattr(p, "ds_shape", p.shape))
+        (decay if ndim >= 2 else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -96,6 +96,7 @@ class DeepSpeedStrategy(ModelCalls):
         raw, where = dsconfig.load(cfg.strategy.config)  # type: ignore[union-attr]
         conf = model_config(source.model_dir, cfg, source.vocab_size)
         ds = dsconfig.resolve(raw, cfg, where, hidden_size=int(conf.hidden_size))
+        dsconfig.check(ds, where)
         self.stage = dsconfig.stage(ds)
         self.ds_config = ds
         if self.stage == 3:
@@ -104,12 +105,7 @@ class DeepSpeedStrategy(ModelCalls):
             # Must stay alive while the model loads: from_pretrained reads it to partition.
             self._hf_ds = HfDeepSpeedConfig(ds)
         model = load_model(source.model_dir, cfg, source.vocab_size)
-        optimizer = None
-        if "optimizer" not in ds:
-            o = cfg.optim
-            optimizer = torch.optim.AdamW(
-                param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps
-            )
+        optimizer = self._client_optimizer(model, ds)
         engine, ds_opt, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
@@ -124,6 +120,34 @@ class DeepSpeedStrategy(ModelCalls):
         # The LR scheduler drives the innermost torch optimizer's param groups, which the
         # ZeRO wrapper reads at each step.
         self.optimizer = getattr(ds_opt, "optimizer", ds_opt)
+
+    def _client_optimizer(self, model: torch.nn.Module, ds: dict[str, Any]) -> Any:
+        """For a JSON without an `optimizer` section (the Ray template's), the optimizer
+        DeepSpeed would use for that placement, with the job's optim values: its C++ CPU
+        Adam in AdamW mode when the optimizer state is offloaded (DeepSpeed refuses any
+        other there, and its check stays on), torch's AdamW otherwise (fused on CUDA).
+        None when the JSON names its optimizer: DeepSpeed builds it from the filled
+        params."""
+        kind = dsconfig.client_optimizer(ds)
+        if kind is None:
+            return None
+        o = self.cfg.optim
+        groups = param_groups(model, o.weight_decay)
+        if kind == "cpu_adam":
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(
+                groups,
+                lr=o.lr,
+                betas=o.betas,
+                eps=o.eps,
+                weight_decay=o.weight_decay,
+                adamw_mode=True,
+            )
+        fused = self.device.type == "cuda"
+        return torch.optim.AdamW(
+            groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=fused, foreach=None if fused else True
+        )
 
     def precision(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # the engine runs the model in bf16/fp16 itself

@@ -1,0 +1,37 @@
+"""NVMe offload's needs on a node (trainer.dsnodes): its folder, and DeepSpeed's async I/O
+op, probed with DeepSpeed's own compatibility check."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer import dsnodes
+from trainer.errors import ConfigError
+
+KEY = "zero_optimization.offload_optimizer.nvme_path"
+
+
+def test_a_missing_folder_is_named_with_its_key_and_the_fix(tmp_path):
+    missing = tmp_path / "zero"
+    problem = dsnodes.local_problem({KEY: str(missing)})
+    assert problem == (
+        f"{KEY} {missing} does not exist; create it on every worker node (a local NVMe "
+        "mount), or set the offload device to cpu"
+    )
+    with pytest.raises(ConfigError, match=rf"^ds\.json: on node \S+: {KEY} {missing} does not"):
+        dsnodes.check_here({KEY: str(missing)}, "ds.json")
+
+
+def test_a_folder_that_cannot_be_written_is_refused():
+    # /proc refuses new files even to root (chmod would not stop root).
+    assert "/proc is not writable" in dsnodes.local_problem({KEY: "/proc"})
+
+
+def test_an_existing_folder_passes_exactly_when_deepspeeds_async_io_op_can_run(tmp_path):
+    """DeepSpeed's probe needs libaio; this machine and the trainer images lack it, so
+    the folder passes and the op is what is refused."""
+    problem = dsnodes.local_problem({KEY: str(tmp_path)})
+    if dsnodes.async_io_available():
+        assert problem is None
+    else:
+        assert problem is not None and problem.startswith("DeepSpeed's async_io op cannot run")
