@@ -16,7 +16,7 @@ TEST_WORKERS ?= 2
 # that no longer runs fails CI; its targets are judged only by make bench.
 TEST_PATHS ?= tests/unit tests/integration tests/bench
 
-.PHONY: setup demo test lint format bench image push clean
+.PHONY: setup demo test lint format bench gpu-check image push clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,12 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	RAYLIFT_BENCH_SMOKE= $(BIN)/python -m pytest tests/bench -s -o testpaths=tests/bench
+
+# Every GPU path (strategies × 1 GPU and all GPUs, bf16) trained, resumed, exported and
+# measured against the planner: README "Proving the GPU paths". Without CUDA: the CPU
+# self-check. GPUCHECK_ARGS: e.g. --only ddp fsdp, --peak-tflops 989, --layers 8.
+gpu-check: $(STAMP)
+	$(BIN)/python tools/gpucheck.py $(GPUCHECK_ARGS)
 
 image: $(STAMP)
 	$(BIN)/python tools/image.py build $(IMAGE_ARGS)

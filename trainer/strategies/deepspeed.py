@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -46,11 +47,18 @@ TAG = "state"
 
 
 def prepare_environment(device: torch.device) -> None:
-    """Before deepspeed is imported: its accelerator and its JIT build cache."""
+    """Before deepspeed is imported: its accelerator and its JIT build cache. The build
+    runs the `ninja` found first on PATH; the one installed next to this interpreter (the
+    venv's, from the pinned packages) goes first, so every process on the node uses the
+    same ninja: another version reads the cache's build log as stale and rebuilds."""
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)
     Path(os.environ["TORCH_EXTENSIONS_DIR"]).mkdir(parents=True, exist_ok=True)
+    here = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    if (Path(here) / "ninja").exists() and path[:1] != [here]:
+        os.environ["PATH"] = os.pathsep.join([here, *path])
 
 
 def skip_inference_comm_op() -> None:

@@ -1,0 +1,46 @@
+"""`make gpu-check`'s CPU self-check: without CUDA, tools/gpucheck.py trains every
+strategy (ddp, fsdp, fsdp + activation checkpointing, ZeRO-2, ZeRO-3, ZeRO-3 + CPU
+offload, LoRA, QLoRA) in fp32 at tiny size on 2 gloo ranks under torchrun, through the
+same loop, checkpoint, resume and export as on GPUs; so the GPU command cannot rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tools import gpucheck
+
+pytestmark = pytest.mark.slow
+
+ROOT = gpucheck.ROOT
+
+
+def test_cpu_self_check_trains_resumes_and_exports_every_strategy(ds_cpu_adam, tmp_path):
+    out = tmp_path / "gpucheck"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpucheck.py"), "--out", str(out), "--cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "The GPU run is still to be done" in done.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["gpu"] is False and report["gpu_run_done"] is False and report["passed"]
+    rows = {r["strategy"]: r for r in report["results"]}
+    assert sorted(rows) == sorted(gpucheck.STRATEGIES)
+    for name, r in rows.items():
+        assert r["problems"] == [], (name, r["problems"])
+        assert r["world"] == 2 and len(r["losses"]) == gpucheck.CPU_SIZE.steps, name
+        assert r["losses"][-1] < r["losses"][0], name
+        assert r["resumed_from"] == r["stop_at"] == gpucheck.CPU_SIZE.steps // 2, name
+        assert r["export_ok"] and r["tokens_per_s"] > 0 and r["mfu"] is None, name
+        assert len(r["per_rank"]) == 2 and all(x["peak_rss"] > 0 for x in r["per_rank"]), name
+    # The table names every strategy once, and the PNG is written beside the JSON.
+    table = done.stdout[done.stdout.index("strategy") :]
+    assert all(f" {name} " in table for name in gpucheck.STRATEGIES)
+    assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,81 @@
+"""tools/gpucheck.py's jobs, judging and report, without running a job (the CPU run is
+tests/integration/test_gpucheck.py; the GPU run is `make gpu-check` on a CUDA machine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tools import gpucheck
+from trainer.config import load_config
+
+ASSETS = {"model": "/m", "train": "/d/train.jsonl", "tokens": "/d/tokens.json"}
+
+
+@pytest.mark.parametrize("name", list(gpucheck.STRATEGIES))
+@pytest.mark.parametrize("gpu", [True, False])
+def test_every_strategy_is_a_valid_job_in_bf16_on_gpus_and_fp32_on_cpu(name, gpu):
+    size = gpucheck.GPU_SIZE if gpu else gpucheck.CPU_SIZE
+    cfg = load_config(gpucheck.job_dict(name, size, 2, gpu, ASSETS, "/runs"))
+    assert cfg.train.precision == ("bf16" if gpu else "fp32")
+    assert cfg.scaling.use_gpu is gpu and cfg.scaling.num_workers == 2
+    assert cfg.checkpoint.every_steps == size.steps // 2  # the resume point
+    assert cfg.strategy.name == gpucheck.STRATEGIES[name]["strategy"]["name"]
+
+
+def test_the_gpu_model_is_about_0_6b_parameters():
+    from trainer.plan import ModelShape
+
+    shape = ModelShape.from_hf_config(gpucheck.llama_config(gpucheck.GPU_SIZE, 520))
+    assert 0.5e9 < shape.params < 1.0e9
+
+
+def test_a_strategy_that_would_not_fit_gets_fewer_layers():
+    size = gpucheck.GPU_SIZE
+    need = gpucheck.predicted("ddp", size, 1)
+    assert gpucheck.fitted_size("ddp", size, 1, need / gpucheck.FIT * 1.01) == size
+    smaller = gpucheck.fitted_size("ddp", size, 1, need / 2)
+    assert smaller.layers < size.layers
+    assert gpucheck.predicted("ddp", smaller, 1) <= gpucheck.FIT * need / 2
+
+
+def _result(**over):
+    r = {
+        "strategy": "ddp",
+        "world": 1,
+        "losses": [6.0, 5.5, 5.0, 4.0],
+        "stop_at": 2,
+        "resumed_from": 2,
+        "export_ok": True,
+        "export_error": None,
+        "predicted_over_measured": 1.1,
+        "tokens_per_s": 1000.0,
+        "mfu": 0.4,
+        "params": 6e8,
+    }
+    return {**r, **over}
+
+
+def test_a_good_job_passes_and_each_failure_is_named():
+    assert gpucheck.judge(_result(), gpu=True) == []
+    assert "loss did not fall" in gpucheck.judge(_result(losses=[5.0, 5.0, 5.1, 5.2]), True)[0]
+    assert "did not resume from its step-2" in gpucheck.judge(_result(resumed_from=None), True)[0]
+    bad = gpucheck.judge(_result(export_ok=False, export_error="OSError: x"), True)
+    assert bad == ["export did not reload: OSError: x"]
+    assert gpucheck.judge(_result(error="job exited 1"), True) == ["job exited 1"]
+
+
+@pytest.mark.parametrize(("ratio", "ok"), [(0.86, True), (1.14, True), (0.84, False), (1.2, False)])
+def test_predicted_over_measured_is_judged_within_15_percent_on_gpus_only(ratio, ok):
+    r = _result(predicted_over_measured=ratio)
+    assert (gpucheck.judge(r, gpu=True) == []) is ok
+    assert gpucheck.judge(r, gpu=False) == []  # CPU: reported, not judged
+
+
+def test_table_and_plot(tmp_path):
+    rows = [_result(problems=[]), _result(strategy="zero3", problems=["loss did not fall ([])"])]
+    text = gpucheck.table(rows, gpu=True)
+    assert "40.0%" in text and "1.10" in text and "PASS" in text
+    assert "FAIL: loss did not fall" in text
+    assert "(not judged)" in gpucheck.table(rows, gpu=False)
+    png = gpucheck.plot(rows, tmp_path / "r.png", gpu=True)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

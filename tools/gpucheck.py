@@ -1,0 +1,521 @@
+"""Prove every GPU path in one command: `make gpu-check` (or `python tools/gpucheck.py`).
+
+For each GPU configuration of this machine (1 GPU, and all of them when there are several)
+and each strategy (ddp, fsdp, fsdp + activation checkpointing, DeepSpeed ZeRO-2, ZeRO-3,
+ZeRO-3 + CPU offload, LoRA, QLoRA), it trains a Llama built from a LlamaConfig (about
+0.6B parameters in bf16, fewer layers where the planner says that strategy would not fit
+the GPU) through the production entry under torchrun (`python -m trainer run`'s
+`run_job`: preflight, tokenizing, the loop, checkpoints, the export). Each job stops at
+half its steps with a checkpoint and resumes from it in the same process, then exports.
+
+Judged per job: it finishes; the loss falls; it resumed from its checkpoint; the export
+loads with plain transformers (and peft for adapters) and gives finite logits; on GPUs,
+the planner's predicted peak device memory ÷ the measured `max_memory_reserved` is within
+±15%. Reported: tokens/s, MFU (from the GPU's peak bf16 FLOP/s: trainer.flops, or
+--peak-tflops), peak memory per rank (reserved and allocated), predicted ÷ measured.
+Writes build/gpucheck/report.json and report.png, prints a table, and exits 1 if anything
+is judged failed.
+
+Without CUDA it runs the same jobs in fp32 on CPU at tiny size on 2 gloo ranks (make test
+runs it, so it cannot rot), judges everything but the memory ratio, and says that the GPU
+run is still to be done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+TOLERANCE = 0.15
+"""Predicted ÷ measured peak device memory must lie in [0.85, 1.15] (GPU runs only)."""
+FIT = 0.80
+"""A strategy's model is shrunk (layers halved) until the planner predicts at most this
+share of the GPU's memory."""
+
+STRATEGIES: dict[str, dict[str, Any]] = {
+    "ddp": {"strategy": {"name": "ddp"}},
+    "fsdp": {"strategy": {"name": "fsdp"}},
+    "fsdp_ac": {"strategy": {"name": "fsdp", "activation_checkpointing": True}},
+    "zero2": {"strategy": {"name": "deepspeed", "config": "zero2"}},
+    "zero3": {"strategy": {"name": "deepspeed", "config": "zero3"}},
+    "zero3_offload": {"strategy": {"name": "deepspeed", "config": "zero3_offload"}},
+    "lora": {"strategy": {"name": "ddp"}, "model": {"adapter": "lora"}, "lr": 1e-2},
+    "qlora": {
+        "strategy": {"name": "ddp"},
+        "model": {"adapter": "qlora"},
+        "optim": {"name": "adamw8bit"},
+        "lr": 1e-2,
+    },
+}
+
+
+@dataclass(frozen=True)
+class Size:
+    hidden: int
+    layers: int
+    heads: int
+    block: int
+    micro: int
+    steps: int
+    lr: float
+
+    @property
+    def intermediate(self) -> int:
+        return 2 * self.hidden
+
+
+GPU_SIZE = Size(hidden=2048, layers=16, heads=16, block=512, micro=4, steps=10, lr=3e-4)
+"""About 0.6B parameters: 16 layers of 2048 wide (GQA, 8 KV heads, MLP 4096 wide)."""
+CPU_SIZE = Size(hidden=64, layers=2, heads=4, block=32, micro=2, steps=4, lr=3e-3)
+
+
+# ---------------------------------------------------------------- pure: configs and judging
+
+
+def llama_config(size: Size, vocab: int) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": size.hidden,
+        "intermediate_size": size.intermediate,
+        "num_hidden_layers": size.layers,
+        "num_attention_heads": size.heads,
+        "num_key_value_heads": max(1, size.heads // 2),
+        "max_position_embeddings": max(256, size.block),
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+    }
+
+
+def job_dict(
+    name: str, size: Size, world: int, gpu: bool, assets: dict[str, str], storage: str
+) -> dict[str, Any]:
+    case = STRATEGIES[name]
+    half = max(1, size.steps // 2)
+    return {
+        "model": {
+            "path": assets["model"],
+            "special_tokens": assets["tokens"],
+            **case.get("model", {}),
+        },
+        "data": {"train_file": assets["train"], "block_size": size.block},
+        "strategy": case["strategy"],
+        "train": {
+            "micro_batch_size": size.micro,
+            "max_steps": size.steps,
+            "precision": "bf16" if gpu else "fp32",
+            "log_every": 1,
+            "seed": 7,
+        },
+        "optim": {"lr": case.get("lr", size.lr), "schedule": "constant", **case.get("optim", {})},
+        "scaling": {"num_workers": world, "use_gpu": gpu},
+        "checkpoint": {"every_steps": half, "keep_last": 2},
+        "storage": {"path": storage},
+        "run": {"name": f"gpucheck-{name}"},
+    }
+
+
+def judge(result: dict[str, Any], gpu: bool) -> list[str]:
+    """Why this job fails the check (empty: it passes)."""
+    if result.get("error"):
+        return [result["error"]]
+    problems = []
+    losses = result["losses"]
+    k = max(1, len(losses) // 3)
+    if not losses or sum(losses[-k:]) / k >= sum(losses[:k]) / k:
+        problems.append(f"loss did not fall ({losses})")
+    if result["resumed_from"] != result["stop_at"]:
+        problems.append(
+            f"did not resume from its step-{result['stop_at']} checkpoint "
+            f"(resumed from {result['resumed_from']})"
+        )
+    if not result["export_ok"]:
+        problems.append(f"export did not reload: {result['export_error']}")
+    ratio = result.get("predicted_over_measured")
+    if gpu and (ratio is None or abs(ratio - 1) > TOLERANCE):
+        problems.append(f"planner predicted ÷ measured = {ratio} is outside ±{TOLERANCE:.0%}")
+    return problems
+
+
+def _mib(x: float | None) -> str:
+    return "-" if x is None else f"{x / 2**20:,.0f}"
+
+
+def table(results: list[dict[str, Any]], gpu: bool) -> str:
+    mem = "reserved/alloc MiB" if gpu else "peak RSS MiB"
+    head = (
+        f"{'gpus':>4} {'strategy':<14} {'params':>7} {'loss':>15} {'tokens/s':>9} {'MFU':>6} "
+        f"{mem:>20} {'pred/meas':>9}  verdict"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        losses = r.get("losses") or []
+        loss = f"{losses[0]:.2f}→{losses[-1]:.2f}" if losses else "-"
+        if gpu:
+            m = f"{_mib(r.get('max_memory_reserved'))}/{_mib(r.get('max_memory_allocated'))}"
+        else:
+            m = _mib(r.get("peak_rss"))
+        mfu = r.get("mfu")
+        ratio = r.get("predicted_over_measured")
+        verdict = "PASS" if not r["problems"] else "FAIL: " + "; ".join(r["problems"])
+        lines.append(
+            f"{r['world']:>4} {r['strategy']:<14} {r.get('params', 0) / 1e6:>6.0f}M {loss:>15} "
+            f"{r.get('tokens_per_s') or 0:>9,.0f} {'-' if mfu is None else f'{mfu:.1%}':>6} "
+            f"{m:>20} {'-' if ratio is None else f'{ratio:.2f}':>9}"
+            f"{'' if gpu else ' (not judged)'}  {verdict}"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], path: Path, gpu: bool) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['strategy']}\n×{r['world']}" for r in results]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    colours = ["tab:green" if not r["problems"] else "tab:red" for r in results]
+    axes[0].bar(labels, [r.get("tokens_per_s") or 0 for r in results], color=colours)
+    axes[0].set_title("tokens/s (all ranks)", fontsize=9)
+    if gpu:
+        axes[1].bar(labels, [100 * (r.get("mfu") or 0) for r in results], color=colours)
+        axes[1].set_title("MFU %", fontsize=9)
+    else:
+        axes[1].bar(labels, [(r.get("peak_rss") or 0) / 2**20 for r in results], color=colours)
+        axes[1].set_title("peak RSS MiB per rank (CPU; not judged)", fontsize=9)
+    ratios = [r.get("predicted_over_measured") or 0 for r in results]
+    axes[2].bar(labels, ratios, color=colours)
+    for y in (1 - TOLERANCE, 1 + TOLERANCE):
+        axes[2].axhline(y, color="k", linestyle="--", linewidth=0.8)
+    axes[2].set_title(
+        "planner predicted ÷ measured peak" + ("" if gpu else " (CPU: not judged)"), fontsize=9
+    )
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=7, rotation=60)
+    fig.suptitle("gpucheck: " + ("GPU" if gpu else "CPU self-check (GPU run still to be done)"))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------- assets and runs
+
+
+def build_assets(out: Path, size: Size, tokens_needed: int) -> dict[str, str]:
+    """Tokenizer, data and special tokens (shared), and a random Llama of `size`."""
+    from tools.tiny import qa_pair, train_tokenizer, write_dataset, write_special_tokens
+
+    shared = out / "assets"
+    tok_dir = shared / "tokenizer"
+    if not (tok_dir / "tokenizer.json").exists():
+        import random
+
+        rng = random.Random(1)
+        train_tokenizer(tok_dir, [" ".join(qa_pair(rng)) for _ in range(2000)])
+    rows = max(2000, tokens_needed // 20)
+    data = shared / f"train-{rows}.jsonl"
+    if not data.exists():
+        write_dataset(data, rows, seed=0)
+    tokens = write_special_tokens(shared / "tokens.json")
+    model_dir = shared / f"llama-h{size.hidden}-l{size.layers}"
+    if not (model_dir / "model.safetensors").exists() and not list(model_dir.glob("*.safetensors")):
+        import torch
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        vocab = len(AutoTokenizer.from_pretrained(str(tok_dir)))
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**llama_config(size, vocab)))
+        model.save_pretrained(str(model_dir), safe_serialization=True)
+        for f in tok_dir.iterdir():
+            shutil.copy(f, model_dir / f.name)
+        del model
+    return {"model": str(model_dir), "train": str(data), "tokens": str(tokens)}
+
+
+def fitted_size(name: str, size: Size, world: int, gpu_bytes: float | None) -> Size:
+    """Halve the layers until the planner predicts this strategy fits FIT of the GPU."""
+    if gpu_bytes is None:
+        return size
+    while size.layers > 1 and predicted(name, size, world) > FIT * gpu_bytes:
+        size = replace(size, layers=size.layers // 2)
+    return size
+
+
+def _cfg(name: str, size: Size, world: int, gpu: bool, assets: dict[str, str], storage: str):
+    from trainer.config import load_config
+
+    return load_config(job_dict(name, size, world, gpu, assets, storage))
+
+
+def _plan(cfg: Any, shape: Any) -> tuple[Any, Any]:
+    from trainer.plan import Setup, rank_memory
+
+    setup = Setup.from_config(cfg)
+    return setup, rank_memory(shape, setup)
+
+
+def predicted(name: str, size: Size, world: int, vocab: int = 520) -> float:
+    """Predicted peak GPU bytes per rank, without the CUDA context and library workspaces
+    (which `max_memory_reserved` does not see either)."""
+    from trainer.plan import ModelShape
+
+    fake = {"model": "/nonexistent", "train": "/nonexistent.jsonl", "tokens": "/nonexistent"}
+    cfg = _cfg(name, size, world, True, fake, "/tmp")
+    _, mem = _plan(cfg, ModelShape.from_hf_config(llama_config(size, vocab)))
+    return mem.total - mem.overhead
+
+
+def torchrun(args: list[str], world: int, log: Path, timeout: float, gpu: bool) -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    if not gpu:
+        env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc_per_node={world}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        *args,
+    ]
+    with open(log, "w") as f:
+        try:
+            return subprocess.run(
+                cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT
+            ).returncode
+        except subprocess.TimeoutExpired:
+            f.write(f"\ngpucheck: timed out after {timeout:.0f} s\n")
+            return 124
+
+
+def reload_export(export: Path, base: Path, adapter: bool, probe: list[list[int]]) -> None:
+    """What a user does with the export, on CPU: plain transformers (and peft)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if adapter:
+        from peft import PeftModel
+
+        tok = AutoTokenizer.from_pretrained(export / "adapter")
+        model = AutoModelForCausalLM.from_pretrained(base)
+        model.resize_token_embeddings(len(tok))
+        model = PeftModel.from_pretrained(model, export / "adapter")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(export / "model")
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(probe)).logits
+    if not torch.isfinite(logits).all():
+        raise ValueError("logits are not finite")
+
+
+@dataclass
+class Job:
+    name: str
+    size: Size
+    world: int
+    gpu: bool
+    storage: Path
+    assets: dict[str, str]
+    log: Path
+
+    @property
+    def stop_at(self) -> int:
+        return max(1, self.size.steps // 2)
+
+    @property
+    def ranks_dir(self) -> Path:
+        return self.storage / "ranks"
+
+    def item(self) -> dict[str, Any]:
+        return {
+            "job": str(self.storage / "job.yaml"),
+            "stop_at": self.stop_at,
+            "out": str(self.ranks_dir),
+        }
+
+
+def prepare(name: str, size: Size, world: int, gpu: bool, out: Path) -> Job:
+    storage = out / "runs" / f"{world}x-{name}"
+    shutil.rmtree(storage, ignore_errors=True)
+    storage.mkdir(parents=True)
+    assets = build_assets(out, size, size.steps * world * size.micro * size.block * 2)
+    data = job_dict(name, size, world, gpu, assets, str(storage))
+    (storage / "job.yaml").write_text(yaml.safe_dump(data))
+    return Job(name, size, world, gpu, storage, assets, out / "logs" / f"{world}x-{name}.log")
+
+
+def run_jobs(jobs: list[Job], log: Path, timeout: float) -> tuple[int, float]:
+    """One torchrun over `jobs` (all of the same world size); its exit code and seconds."""
+    plan = log.with_suffix(".plan.json")
+    plan.write_text(json.dumps([j.item() for j in jobs]))
+    t0 = time.monotonic()
+    worker = str(ROOT / "tools" / "gpucheck_worker.py")
+    rc = torchrun([worker, str(plan)], jobs[0].world, log, timeout * len(jobs), jobs[0].gpu)
+    return rc, round(time.monotonic() - t0, 1)
+
+
+def collect(job: Job, rc: int, log: Path, peak: float | None) -> dict[str, Any]:
+    """Read what the job left (rank files, metrics, export) into its result row."""
+    from trainer.config import load_config
+    from trainer.metrics import lineage, read_records
+    from trainer.plan import flops_per_token, shape_for_job
+    from trainer.storage import resolve
+
+    name, world, gpu = job.name, job.world, job.gpu
+    result: dict[str, Any] = {
+        "strategy": name,
+        "world": world,
+        "size": asdict(job.size),
+        "stop_at": job.stop_at,
+        "log": str(log),
+    }
+    files = [job.ranks_dir / f"rank{r}.json" for r in range(world)]
+    if not all(f.exists() for f in files):
+        tail = log.read_text().strip().splitlines()[-3:] if log.exists() else []
+        result["error"] = f"job did not finish (torchrun exit {rc}): " + " | ".join(tail)[-400:]
+        return result
+    ranks = [json.loads(f.read_text()) for f in files]
+    cfg = load_config(job.storage / "job.yaml")
+    run = resolve(str(job.storage)).join(cfg.run.name)
+    records = read_records(run.join("metrics.jsonl"))
+    steps, _ = lineage(records)
+    resumes = [r["from_step"] for r in records if r.get("event") == "resume"]
+    result["losses"] = [r["loss"] for r in steps]
+    result["resumed_from"] = resumes[-1] if resumes else None
+    # Throughput of the steady steps: not the first step of either part (start-up).
+    timed = [r["tokens_per_s"] for r in steps if r["step"] not in (1, job.stop_at + 1)]
+    timed = timed or [r["tokens_per_s"] for r in steps]
+    result["tokens_per_s"] = sorted(timed)[len(timed) // 2]
+    shape = shape_for_job(cfg)
+    setup, mem = _plan(cfg, shape)
+    result["params"] = shape.params
+    if gpu:
+        from trainer.flops import peak_flops
+
+        device = ranks[0].get("device")
+        result["device"] = device
+        result["per_rank"] = [
+            {k: r[k] for k in ("max_memory_reserved", "max_memory_allocated")} for r in ranks
+        ]
+        result["max_memory_reserved"] = max(r["max_memory_reserved"] for r in ranks)
+        result["max_memory_allocated"] = max(r["max_memory_allocated"] for r in ranks)
+        result["predicted"] = mem.total - mem.overhead
+        result["predicted_over_measured"] = result["predicted"] / result["max_memory_reserved"]
+        peak = peak or peak_flops(device, "bf16")
+        result["peak_flops"] = peak
+        per_device = result["tokens_per_s"] / world
+        result["mfu"] = flops_per_token(shape, setup) * per_device / peak if peak else None
+    else:
+        result["per_rank"] = [{"peak_rss": r["peak_rss"]} for r in ranks]
+        result["peak_rss"] = max(r["peak_rss"] for r in ranks)
+        result["predicted"] = mem.total
+        result["predicted_over_measured"] = mem.total / result["peak_rss"]
+        result["mfu"] = None
+    export = Path(ranks[0]["summary"]["export"])
+    probe = json.loads((job.storage / cfg.run.name / "final_probe.json").read_text())
+    try:
+        adapter = name in ("lora", "qlora")
+        reload_export(export, Path(job.assets["model"]), adapter, probe["input_ids"])
+        result["export_ok"], result["export_error"] = True, None
+    except Exception as exc:  # reported, and judged a failure
+        result["export_ok"], result["export_error"] = False, f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=ROOT / "build" / "gpucheck")
+    p.add_argument("--only", nargs="*", choices=list(STRATEGIES), help="a subset of strategies")
+    p.add_argument("--cpu", action="store_true", help="the CPU self-check even with CUDA")
+    p.add_argument(
+        "--peak-tflops", type=float, help="the GPU's peak bf16 TFLOP/s (default: trainer.flops)"
+    )
+    p.add_argument("--layers", type=int, help="decoder layers of the GPU model (default 16)")
+    p.add_argument("--steps", type=int, help="steps per job (default 10 on GPU, 4 on CPU)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per job")
+    args = p.parse_args(argv)
+
+    import torch
+
+    gpu = torch.cuda.is_available() and not args.cpu
+    n = torch.cuda.device_count() if gpu else 0
+    base = GPU_SIZE if gpu else CPU_SIZE
+    if args.layers:
+        base = replace(base, layers=args.layers)
+    if args.steps:
+        base = replace(base, steps=args.steps)
+    worlds = ([1, n] if n > 1 else [1]) if gpu else [2]
+    gpu_bytes = torch.cuda.get_device_properties(0).total_memory if gpu else None
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "logs").mkdir(exist_ok=True)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else None
+    results = []
+    for world in worlds:
+        jobs = [
+            prepare(name, fitted_size(name, base, world, gpu_bytes), world, gpu, args.out)
+            for name in args.only or list(STRATEGIES)
+        ]
+        # On GPUs each job gets its own processes (a crash or a fragmented allocator
+        # stays with its job); the CPU self-check shares one start-up among all.
+        batches = [[j] for j in jobs] if gpu else [jobs]
+        for batch in batches:
+            log = batch[0].log if len(batch) == 1 else args.out / "logs" / f"{world}x-all.log"
+            names = ", ".join(j.name for j in batch)
+            where = f"{world} GPU(s)" if gpu else f"{world} CPU ranks"
+            print(f"gpucheck: {names} on {where} ...", flush=True)
+            rc, seconds = run_jobs(batch, log, args.timeout)
+            for j in batch:
+                r = collect(j, rc, log, peak)
+                r["seconds"] = seconds
+                r["problems"] = judge(r, gpu)
+                results.append(r)
+    report = {
+        "gpu": gpu,
+        "gpu_run_done": gpu,
+        "device": torch.cuda.get_device_name(0) if gpu else "cpu",
+        "gpus": n,
+        "tolerance": TOLERANCE,
+        "results": results,
+        "passed": all(not r["problems"] for r in results),
+    }
+    (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    plot(results, args.out / "report.png", gpu)
+    print(table(results, gpu))
+    print(f"report: {args.out / 'report.json'}, {args.out / 'report.png'}")
+    if not gpu:
+        print(
+            "gpucheck: no CUDA device here: this was the CPU self-check (fp32, tiny model, 2 gloo "
+            "ranks; memory ratios not judged). The GPU run is still to be done: run "
+            "`make gpu-check` on a machine with CUDA GPUs."
+        )
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

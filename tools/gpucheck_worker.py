@@ -1,0 +1,101 @@
+"""gpucheck's jobs on this rank, run under torchrun by tools/gpucheck.py. Each job goes
+through what `python -m trainer run` does under torchrun (trainer.launch: preflight, the
+node checks, tokenizing on rank 0 first; then trainer.loop.train: the strategy, steps,
+checkpoints, the export) twice in this process: first to `train.stop_at_step` (it
+checkpoints there), then again to the end, which resumes from that checkpoint. Peak
+memory is taken over the first part (a fresh start, what the planner predicts); each
+rank writes it to the job's OUT/rank<N>.json. Several jobs in one torchrun share the
+imports, the process start and one process group (torchrun's store cannot host a
+second default group after the first is destroyed); on GPUs each job gets its own.
+
+    torchrun --nproc_per_node N tools/gpucheck_worker.py PLAN_JSON
+    (PLAN_JSON: [{"job": JOB_YAML, "stop_at": K, "out": OUT_DIR}, ...])
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peaks(gpu: bool) -> None:
+    gc.collect()
+    if gpu:
+        import torch
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM restarts from the current RSS
+
+
+def run_job(cfg) -> dict:
+    """trainer.launch.run_job's torchrun branch, over the process group already up."""
+    from trainer import launch, preflight
+    from trainer.checkpoint import latest_export
+    from trainer.loop import train
+    from trainer.runtime import TorchrunRuntime, run_location
+
+    report = preflight.run_all(cfg, strict=True)
+    launch.check_nodes(cfg, report, torchrun=True)
+    prep = launch._prepare_rank0_first(cfg, int(os.environ.get("RANK", "0")))
+    last = train(cfg, prep, TorchrunRuntime(cfg, cfg.backend))
+    export = latest_export(run_location(cfg))
+    return {"metrics": last, "export": export.uri if export is not None else None}
+
+
+def run(job: Path, stop_at: int, out: Path) -> None:
+    import torch
+
+    from trainer.config import load_config
+
+    gpu = load_config(job, []).scaling.use_gpu
+    rank = int(os.environ.get("RANK", "0"))
+    _reset_peaks(gpu)
+    if gpu:
+        run_job(load_config(job, [f"train.stop_at_step={stop_at}"]))
+        mem = {
+            "max_memory_reserved": torch.cuda.max_memory_reserved(),
+            "max_memory_allocated": torch.cuda.max_memory_allocated(),
+            "device": torch.cuda.get_device_name(),
+        }
+    else:
+        base = _status("VmRSS:")
+        run_job(load_config(job, [f"train.stop_at_step={stop_at}"]))
+        mem = {"peak_rss": _status("VmHWM:") - base, "device": "cpu"}
+    _reset_peaks(gpu)
+    summary = run_job(load_config(job, []))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps({**mem, "summary": summary}, default=str))
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    from trainer.config import load_config
+    from trainer.logs import setup_logging
+    from trainer.runtime import init_process_group
+
+    setup_logging()
+    items = json.loads(Path(sys.argv[1]).read_text())
+    init_process_group(load_config(Path(items[0]["job"]), []).backend)
+    for item in items:
+        run(Path(item["job"]), int(item["stop_at"]), Path(item["out"]))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
