@@ -177,7 +177,7 @@ def table(results: list[dict[str, Any]], gpu: bool) -> str:
         ratio = r.get("predicted_over_measured")
         verdict = "PASS" if not r["problems"] else "FAIL: " + "; ".join(r["problems"])
         lines.append(
-            f"{r['world']:>4} {r['strategy']:<14} {r.get('params', 0) / 1e6:>6.0f}M {loss:>15} "
+            f"{r['world']:>4} {r['strategy']:<14} {r.get('params', 0) / 1e6:>6.1f}M {loss:>15} "
             f"{r.get('tokens_per_s') or 0:>9,.0f} {'-' if mfu is None else f'{mfu:.1%}':>6} "
             f"{m:>20} {'-' if ratio is None else f'{ratio:.2f}':>9}"
             f"{'' if gpu else ' (not judged)'}  {verdict}"
@@ -434,8 +434,10 @@ def collect(job: Job, rc: int, log: Path, peak: float | None) -> dict[str, Any]:
     else:
         result["per_rank"] = [{"peak_rss": r["peak_rss"]} for r in ranks]
         result["peak_rss"] = max(r["peak_rss"] for r in ranks)
-        result["predicted"] = mem.total
-        result["predicted_over_measured"] = mem.total / result["peak_rss"]
+        # Like for like with the GPU figure: the planner's state and activations, less
+        # its per-process allowance, against RSS growth above the process's baseline.
+        result["predicted"] = mem.total - mem.overhead
+        result["predicted_over_measured"] = result["predicted"] / max(1, result["peak_rss"])
         result["mfu"] = None
     export = Path(ranks[0]["summary"]["export"])
     probe = json.loads((job.storage / cfg.run.name / "final_probe.json").read_text())
