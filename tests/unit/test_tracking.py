@@ -5,7 +5,6 @@ rolled back by a restart is not logged twice, and an unreachable tracker never b
 
 from __future__ import annotations
 
-import struct
 import threading
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.trackers import tb_events, wandb_history
 from trainer.config import JobConfig, load_config
 from trainer.errors import ConfigError
 from trainer.storage import resolve
@@ -149,55 +149,6 @@ def test_mlflow_outage_resends_missed_points_next_attempt(tmp_path):
     assert sorted(steps) == list(range(1, 7))
 
 
-def _wandb_records(path: Path) -> list[bytes]:
-    """The records of a .wandb file: W&B's LevelDB-style log (a 7-byte file header, then
-    32 KiB blocks of records, each `crc32c:4, length:2, type:1` + data; a record cut at a
-    block end continues as FIRST/MIDDLE/LAST pieces)."""
-    data = path.read_bytes()
-    assert data[:4] == b":W&B", data[:7]
-    out, pos, part = [], 7, b""
-    block = 32768
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:
-            pos += left  # block trailer padding
-            continue
-        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
-        if kind == 0 and length == 0:
-            break
-        chunk = data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind == 1:
-            out.append(chunk)
-        elif kind == 2:
-            part = chunk
-        elif kind == 3:
-            part += chunk
-        elif kind == 4:
-            out.append(part + chunk)
-    return out
-
-
-def _wandb_history(folder: Path) -> list[dict[str, Any]]:
-    """The history rows of one offline run folder, parsed with W&B's own protobufs."""
-    import json
-
-    from wandb.proto import wandb_internal_pb2
-
-    (path,) = folder.glob("*.wandb")
-    rows = []
-    for data in _wandb_records(path):
-        rec = wandb_internal_pb2.Record()
-        rec.ParseFromString(data)
-        if rec.WhichOneof("record_type") == "history":
-            row = {}
-            for item in rec.history.item:
-                key = item.key or "/".join(item.nested_key)
-                row[key] = json.loads(item.value_json)
-            rows.append(row)
-    return rows
-
-
 def test_wandb_offline_same_run_id_and_steps(tmp_path):
     cfg = _cfg(tmp_path, wandb={"project": "proj", "mode": "offline"})
     run = resolve(cfg.storage.path).join("watch")
@@ -207,27 +158,10 @@ def test_wandb_offline_same_run_id_and_steps(tmp_path):
     assert read_state(run)["wandb"] == run_id
     folders = sorted(Path(run.path, "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(folders) == 2, folders  # offline W&B ignores resume: one folder per attempt
-    first, second = (_wandb_history(f) for f in folders)
+    first, second = (wandb_history(f) for f in folders)
     assert [int(r["_step"]) for r in first] == [1, 2, 3, 4, 5]
     assert [int(r["_step"]) for r in second] == [4, 5, 6]
     assert second[0]["tokens_per_s"] == 200.0 and second[0]["rank1/mem_peak_gib"] == 1.5
-
-
-def _tb_events(folder: Path) -> dict[str, list[Any]]:
-    """Every event of every event file (TFRecord framing: length, crc, data, crc)."""
-    from tensorboardX.proto import event_pb2
-
-    out: dict[str, list[Any]] = {}
-    for path in sorted(folder.glob("events.out.tfevents.*")):
-        data, events, i = path.read_bytes(), [], 0
-        while i < len(data):
-            (n,) = struct.unpack("<Q", data[i : i + 8])
-            ev = event_pb2.Event()
-            ev.ParseFromString(data[i + 12 : i + 12 + n])
-            events.append(ev)
-            i += 12 + n + 4
-        out[path.name] = events
-    return out
 
 
 def test_tensorboard_event_files_and_purge_on_resume(tmp_path):
@@ -235,7 +169,7 @@ def test_tensorboard_event_files_and_purge_on_resume(tmp_path):
     run = resolve(cfg.storage.path).join("watch")
     _attempt(cfg, run, 1, 0, range(1, 6), status="failed")
     _attempt(cfg, run, 2, 3, range(4, 7), [_record(s, 1) for s in range(1, 4)])
-    files = _tb_events(Path(run.path, "tensorboard"))
+    files = tb_events(Path(run.path, "tensorboard"))
     assert len(files) == 2 and all(".attempt-" in n for n in files)
     first = next(v for k, v in files.items() if k.endswith(".attempt-1"))
     second = next(v for k, v in files.items() if k.endswith(".attempt-2"))

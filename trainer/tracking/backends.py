@@ -94,7 +94,8 @@ class MlflowBackend:
     def event(self, step: int, name: str, fields: dict[str, Any], when: float) -> None:
         import json
 
-        self.client.set_tag(self.run_id, f"raylift.event.{int(when * 1000)}", json.dumps(fields))
+        key = f"raylift.event.{int(when * 1000)}"
+        self.client.set_tag(self.run_id, key, json.dumps(fields)[:5000])
 
     def close(self, status: str) -> None:
         if self.client is not None and self.run_id is not None:
