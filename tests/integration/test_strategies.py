@@ -425,8 +425,11 @@ def _trackers_hold_every_step_once(run_dir: Path, mlflow_uri: str) -> None:
     purge = [e.step for e in second if e.HasField("session_log")]
     assert purge[:1] == [9]  # TensorBoard drops attempt 1's 9 and 10
 
-    folders = sorted((run_dir / "wandb").glob(f"offline-run-*-{ids['wandb']}"))
-    assert len(folders) == 2
-    first, again = (wandb_history(f) for f in folders)
-    assert [int(r["_step"]) for r in first] == list(range(1, 11))
-    assert [int(r["_step"]) for r in again] == [9, 10, 11, 12]
+    # Offline W&B: a folder per attempt, one run id. Attempt 1's folder holds what W&B
+    # wrote before the kill (its writes are batched: on this loaded 2-core machine the
+    # kill can come before the first batch); attempt 2's, closed cleanly, 9 to 12.
+    folders = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2 and all(f.name.endswith(ids["wandb"]) for f in folders), folders
+    first = [int(r["_step"]) for r in wandb_history(folders[0])]
+    assert first == list(range(1, len(first) + 1)) and len(first) <= 10, first
+    assert [int(r["_step"]) for r in wandb_history(folders[1])] == [9, 10, 11, 12]

@@ -16,7 +16,14 @@ from tests.trackers import tb_events, wandb_history
 from trainer.config import JobConfig, load_config
 from trainer.errors import ConfigError
 from trainer.storage import resolve
-from trainer.tracking import STATE_FILE, Tracker, flat_config, open_tracker, read_state
+from trainer.tracking import (
+    STATE_FILE,
+    Tracker,
+    flat_config,
+    flatten,
+    open_tracker,
+    read_state,
+)
 from trainer.tracking.sender import Sender
 
 pytest.importorskip("mlflow")
@@ -42,7 +49,7 @@ def _record(step: int, attempt: int, loss: float | None = None) -> dict[str, Any
         "event": "train",
         "attempt": attempt,
         "step": step,
-        "time": 1_700_000_000.0 + step,
+        "time": 1_700_000_000.0 + step + 1000 * attempt,  # a retrained step is later
         "loss": 10.0 - step if loss is None else loss,
         "tokens_per_s": 100.0 * attempt,
         "mem_peak_gib_max": 1.5,
@@ -85,6 +92,13 @@ def test_config_is_logged_without_secrets(tmp_path):
     assert flat["run.name"] == "watch" and flat["train.seed"] == "42"
     assert flat["tracking.mlflow.tracking_uri"] == "https://***@mlflow.example:5000"
     assert not any("hunter2" in v for v in flat.values())
+    nested = {"hub": {"hf_token": "hf_abc", "api_key": "k", "tokenizer": "t"}, "n": [1, 2]}
+    assert flatten(nested) == {
+        "hub.hf_token": "***",
+        "hub.api_key": "***",
+        "hub.tokenizer": "t",
+        "n": "[1, 2]",
+    }
 
 
 def test_mlflow_one_run_across_attempts_each_step_once(tmp_path):
@@ -220,3 +234,20 @@ def test_no_tracker_for_other_ranks_or_smoke_runs(tmp_path):
     smoke = cfg.model_copy(update={"train": cfg.train.model_copy(update={"as_test": True})})
     assert open_tracker(smoke, run, 0, 1, 0, []).names == ()
     assert not Path(run.path, STATE_FILE).exists()
+
+
+def test_preflight_names_a_missing_tracker_client(tmp_path, monkeypatch):
+    from trainer import preflight
+    from trainer.errors import UserError
+
+    monkeypatch.setitem(preflight.TRACKER_PACKAGES, "wandb", "wandb_not_installed_here")
+    cfg = _cfg(tmp_path, wandb={"project": "p"}, tensorboard=True)
+    with pytest.raises(UserError) as err:
+        preflight.check_tracking(cfg, True, preflight.Report())
+    assert str(err.value) == (
+        "tracking.wandb: the wandb_not_installed_here package is not installed here; install "
+        "the trackers with pip install 'raylift[track]' (or remove tracking.wandb)"
+    )
+    report = preflight.Report()
+    preflight.check_tracking(cfg, False, report)  # a laptop: the image is what counts
+    assert len(report.notes) == 1 and report.notes[0].endswith("checked again on the cluster")

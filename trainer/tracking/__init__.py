@@ -15,6 +15,8 @@ import re
 import shutil
 import tempfile
 import threading
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,12 @@ def redact(value: Any) -> Any:
 
 def flat_config(cfg: JobConfig) -> dict[str, str]:
     """The resolved config as dotted keys with string values, secrets removed."""
+    return flatten(cfg.model_dump(mode="json"))
+
+
+def flatten(data: dict[str, Any]) -> dict[str, str]:
+    """Dotted keys, string values; a key named like a secret (`*_token`, `password`, ...)
+    has its value replaced by ***, and so has a URI's user:password@."""
     out: dict[str, str] = {}
 
     def walk(node: Any, prefix: str) -> None:
@@ -55,7 +63,7 @@ def flat_config(cfg: JobConfig) -> dict[str, str]:
         else:
             out[prefix] = str(redact(json.dumps(node) if isinstance(node, list) else node))
 
-    walk(cfg.model_dump(mode="json"), "")
+    walk(data, "")
     return out
 
 
@@ -135,6 +143,11 @@ class Tracker(NullTracker):
             self.backends["tensorboard"] = b.TensorBoardBackend(folder, attempt, start)
         self.names = tuple(self.backends)
         _ACTIVE.append(self)
+        if "wandb" in self.backends and not self.state.get("wandb"):
+            # W&B takes the id we give it: store it now, so an attempt that dies before
+            # W&B answered still leaves the id the next attempt continues.
+            self.state["wandb"] = uuid.uuid4().hex[:16]
+            self._write_state()
         params = flat_config(cfg)
         for name, backend in self.backends.items():
             s = Sender(name, limit=t.buffer)
@@ -160,15 +173,20 @@ class Tracker(NullTracker):
         self._uploads.append((folder, self.run.join(name)))
         return folder
 
+    def _write_state(self) -> None:
+        """tracking.json, merged with what is there (each sender adds its own id)."""
+        with self._lock:
+            self.state = {**read_state(self.run), **self.state}
+            body = json.dumps(self.state, indent=1, sort_keys=True).encode()
+            self.run.fs.create_dir(self.run.path, recursive=True)
+            with self.run.fs.open_output_stream(self.run.join(STATE_FILE).path) as f:
+                f.write(body)
+
     def _open(self, name: str, backend: Any) -> None:
         run_id = backend.open(self.state.get(name))
-        with self._lock:
-            if self.state.get(name) != run_id:
-                self.state = {**read_state(self.run), name: run_id}
-                body = json.dumps(self.state, indent=1, sort_keys=True).encode()
-                self.run.fs.create_dir(self.run.path, recursive=True)
-                with self.run.fs.open_output_stream(self.run.join(STATE_FILE).path) as f:
-                    f.write(body)
+        if self.state.get(name) != run_id:
+            self.state[name] = run_id
+            self._write_state()
         log.info("tracker %s: run %s", name, run_id)
 
     @staticmethod
@@ -217,19 +235,19 @@ class Tracker(NullTracker):
                 upload_dir(folder, target)
 
     def close(self, status: str) -> list[Outcome]:
+        """Last sends, within one deadline for all trackers (a failed attempt gets less:
+        Ray tears its worker group down soon after)."""
         if self in _ACTIVE:
             _ACTIVE.remove(self)
         for name, backend in self.backends.items():
             self.senders[name].put("close", lambda be=backend: be.close(status), points=0)
-        outcomes = [s.close(CLOSE_TIMEOUT_S) for s in self.senders.values()]
-        with self._lock:  # events_until for the next attempt
-            state = {**read_state(self.run), **self.state}
-            try:
-                self.run.fs.create_dir(self.run.path, recursive=True)
-                with self.run.fs.open_output_stream(self.run.join(STATE_FILE).path) as f:
-                    f.write(json.dumps(state, indent=1, sort_keys=True).encode())
-            except OSError as exc:
-                log.warning("%s not written: %s", STATE_FILE, exc)
+        timeout = CLOSE_TIMEOUT_S if status != "failed" else min(CLOSE_TIMEOUT_S, 10.0)
+        deadline = time.monotonic() + timeout
+        outcomes = [s.close(max(0.0, deadline - time.monotonic())) for s in self.senders.values()]
+        try:  # events_until for the next attempt
+            self._write_state()
+        except OSError as exc:
+            log.warning("%s not written: %s", STATE_FILE, exc)
         try:
             self._upload()
         except OSError as exc:

@@ -163,7 +163,7 @@ class WandbBackend:
         import wandb
 
         self.folder.mkdir(parents=True, exist_ok=True)
-        run_id = run_id or uuid.uuid4().hex[:16]
+        run_id = run_id or uuid.uuid4().hex[:16]  # the tracker stores one before opening
         self.run = wandb.init(
             project=self.project,
             entity=self.entity,
