@@ -58,14 +58,12 @@ def _record(step: int, attempt: int, loss: float | None = None) -> dict[str, Any
     }
 
 
-def _attempt(cfg, run, attempt, start, steps, history=(), status="finished", kill=False):
+def _attempt(cfg, run, attempt, start, steps, history=(), status="finished"):
     t = Tracker(cfg, run, attempt, start, list(history))
     for s in steps:
         t.metrics(_record(s, attempt))
-    if kill:  # what a SIGKILLed rank 0 sends: whatever its senders already took
-        for s in t.senders.values():
-            s.drain(60)
-        return t
+    for sender in t.senders.values():  # a run lives longer than a tracker takes to open
+        assert sender.drain(600), sender.failing
     t.tag("raylift.export", f"{run.uri}/export/step_{steps[-1]:08d}")
     t.events([{"time": 5.0, "event": "attempt", "source": "a", "from_step": start}])
     out = t.close(status)
