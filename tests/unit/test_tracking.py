@@ -5,6 +5,7 @@ rolled back by a restart is not logged twice, and an unreachable tracker never b
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -58,6 +59,14 @@ def _record(step: int, attempt: int, loss: float | None = None) -> dict[str, Any
     }
 
 
+def _journal(attempts: int) -> list[dict[str, Any]]:
+    """The run journal as each attempt reads it: every attempt so far."""
+    return [
+        {"time": 5.0 + a, "event": "attempt", "source": f"attempt-{a}", "attempt": a}
+        for a in range(1, attempts + 1)
+    ]
+
+
 def _attempt(cfg, run, attempt, start, steps, history=(), status="finished"):
     t = Tracker(cfg, run, attempt, start, list(history))
     for s in steps:
@@ -65,7 +74,7 @@ def _attempt(cfg, run, attempt, start, steps, history=(), status="finished"):
     for sender in t.senders.values():  # a run lives longer than a tracker takes to open
         assert sender.drain(600), sender.failing
     t.tag("raylift.export", f"{run.uri}/export/step_{steps[-1]:08d}")
-    t.events([{"time": 5.0, "event": "attempt", "source": "a", "from_step": start}])
+    t.events(_journal(attempt))
     out = t.close(status)
     assert all(o.unsent == 0 and o.dropped == 0 for o in out), out
     return t
@@ -142,6 +151,7 @@ def test_mlflow_outage_resends_missed_points_next_attempt(tmp_path):
     started = time.monotonic()
     for s in range(1, 5):
         t.metrics(_record(s, 1))
+    t.events(_journal(1))
     assert time.monotonic() - started < 1.0  # queueing never waits on the tracker
     import trainer.tracking as tracking_mod
 
@@ -157,8 +167,13 @@ def test_mlflow_outage_resends_missed_points_next_attempt(tmp_path):
     history = [_record(s, 1) for s in range(1, 5)]
     _attempt(cfg, run, 2, 4, range(5, 7), history)
     client = MlflowClient(tracking_uri=f"sqlite:///{db}")
-    steps = [m.step for m in client.get_metric_history(read_state(run)["mlflow"], "loss")]
+    run_id = read_state(run)["mlflow"]
+    steps = [m.step for m in client.get_metric_history(run_id, "loss")]
     assert sorted(steps) == list(range(1, 7))
+    # Attempt 1's journal event too: the tracker never took it then.
+    tags = client.get_run(run_id).data.tags
+    events = sorted(json.loads(v)["attempt"] for k, v in tags.items() if "raylift.event." in k)
+    assert events == [1, 2]
 
 
 def test_wandb_offline_same_run_id_and_steps(tmp_path):

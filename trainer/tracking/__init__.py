@@ -126,6 +126,7 @@ class Tracker(NullTracker):
         self._uploads: list[tuple[Path, Location]] = []
         self.backends: dict[str, Any] = {}
         self.senders: dict[str, Sender] = {}
+        self._queued: dict[str, float] = {}  # events queued this attempt, per tracker
         t = cfg.tracking
         from trainer.tracking import backends as b
 
@@ -204,21 +205,28 @@ class Tracker(NullTracker):
             self.senders[name].put("tag", lambda be=backend: be.tag(key, value))
 
     def events(self, records: list[dict[str, Any]]) -> None:
-        """Journal events (restarts, spot notices, failures, checkpoints) not sent yet."""
-        since = float(self.state.get("events_until", 0.0))
-        new = [r for r in records if float(r.get("time", 0.0)) > since]
-        for r in new:
-            step = int(r.get("step", r.get("from_step", 0)) or 0)
-            fields = {k: v for k, v in r.items() if k not in ("time",)}
-            for name, backend in self.backends.items():
-                self.senders[name].put(
-                    "event",
-                    lambda be=backend, s=step, e=r["event"], f=fields, w=r["time"]: be.event(
-                        s, e, f, w
-                    ),
-                )
-        if new:
-            self.state["events_until"] = max(float(r["time"]) for r in new)
+        """Journal events (restarts, spot notices, failures, checkpoints) a tracker has not
+        had yet: `tracking.json` keeps, per tracker, the time of the last one it took."""
+        for name, backend in self.backends.items():
+            key = f"events_until.{name}"
+            since = self._queued.get(name, float(self.state.get(key, 0.0)))
+            new = [r for r in records if float(r.get("time", 0.0)) > since]
+            for r in new:
+                self.senders[name].put("event", self._event_call(name, backend, r))
+            if new:
+                self._queued[name] = max(float(r["time"]) for r in new)
+
+    def _event_call(self, name: str, backend: Any, r: dict[str, Any]) -> Any:
+        step = int(r.get("step", r.get("from_step", 0)) or 0)
+        fields = {k: v for k, v in r.items() if k != "time"}
+        when = float(r["time"])
+
+        def call() -> None:
+            backend.event(step, r["event"], fields, when)
+            key = f"events_until.{name}"
+            self.state[key] = max(float(self.state.get(key, 0.0)), when)
+
+        return call
 
     def flush(self) -> None:
         """At a checkpoint: event files to disk, and to the run folder when it is remote."""
