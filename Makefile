@@ -6,7 +6,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.raylift-installed
-EXTRAS := train,tools,infra,dev,bench
+EXTRAS := train,tools,infra,dev,bench,track
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 # Two pytest workers, a file each at a time: most of a Ray test's time is single-threaded

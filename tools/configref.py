@@ -67,6 +67,14 @@ def _rows(prefix: str, model: type[BaseModel]) -> list[str]:
         if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
             rows += _rows(f"{prefix}.{name}", f.annotation)  # a nested section: its fields
             continue
+        optional = [
+            m for m in _variants(f.annotation) if type(None) in typing.get_args(f.annotation)
+        ]
+        if len(optional) == 1:  # an optional section (off unless given): its line, then fields
+            desc = (f.description or "").replace("|", "\\|") + " Off unless given."
+            rows.append(f"| `{prefix}.{name}` | section | {_default(f)} | {desc} |")
+            rows += _rows(f"{prefix}.{name}", optional[0])
+            continue
         desc = (f.description or "").replace("|", "\\|")
         rows.append(f"| `{prefix}.{name}` | {_type(f.annotation)} | {_default(f)} | {desc} |")
     return rows

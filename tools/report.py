@@ -1,4 +1,5 @@
-"""Summarise a run from its metrics file: the loss curve as a PNG and the key numbers.
+"""Summarise a run from its metrics file: loss, throughput, per-worker peak memory and the
+step-time breakdown as one PNG, and the key numbers.
 
 python tools/report.py STORAGE_PATH/RUN_NAME [--out loss.png] [--endpoint-override URL]
 """
@@ -12,6 +13,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tools.jobcli.runs import PHASE_NAMES, memory_line, slowest_line
 from trainer import journal
 from trainer.metrics import lineage, read_records
 from trainer.storage import resolve
@@ -40,7 +42,7 @@ def plot(run: dict[str, Any], out: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     steps = run["steps"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, ((ax1, ax2), (ax3, ax4)) = plt.subplots(2, 2, figsize=(11, 8))
     ax1.plot([r["step"] for r in steps], [r["loss"] for r in steps], label="train loss")
     if run["evals"]:
         ax1.plot(
@@ -59,11 +61,54 @@ def plot(run: dict[str, Any], out: Path, title: str) -> Path:
     ax2.set_ylabel("tokens/s (all workers)")
     ax2.set_title("throughput")
     ax2.grid(alpha=0.3)
+    _plot_memory(ax3, steps)
+    _plot_phases(ax4, steps)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _plot_memory(ax: Any, steps: list[dict[str, Any]]) -> None:
+    """Peak memory per rank (from the records that carry every rank's values), the
+    device's capacity as a line."""
+    per_rank = [r for r in steps if "per_rank" in r]
+    ax.set_title("peak memory per worker")
+    ax.set_xlabel("step")
+    ax.set_ylabel("GiB (peak since the previous record)")
+    ax.grid(alpha=0.3)
+    if not per_rank:
+        ax.text(0.5, 0.5, "no per-worker records", ha="center", transform=ax.transAxes)
+        return
+    ranks = len(per_rank[-1]["per_rank"]["mem_reserved_gib"])
+    for rank in range(ranks):
+        pts = [
+            (r["step"], r["per_rank"]["mem_reserved_gib"][rank])
+            for r in per_rank
+            if rank < len(r["per_rank"]["mem_reserved_gib"])
+        ]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=f"rank {rank}")
+    cap = per_rank[-1].get("mem_capacity_gib")
+    if cap:
+        ax.axhline(cap, color="tab:red", linestyle="--", label=f"capacity {cap:.1f} GiB")
+    ax.legend(fontsize="small", ncol=2)
+
+
+def _plot_phases(ax: Any, steps: list[dict[str, Any]]) -> None:
+    """Where the step goes: mean seconds per step of each phase (over ranks), stacked."""
+    rows = [r for r in steps if "t_fwd_bwd_s_mean" in r]
+    ax.set_title("step time breakdown (mean over workers)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds per step")
+    ax.grid(alpha=0.3)
+    if not rows:
+        ax.text(0.5, 0.5, "no step-time records", ha="center", transform=ax.transAxes)
+        return
+    xs = [r["step"] for r in rows]
+    ys = [[r.get(f"t_{p}_s_mean", 0.0) for r in rows] for p in PHASE_NAMES]
+    ax.stackplot(xs, ys, labels=list(PHASE_NAMES.values()), alpha=0.85)
+    ax.legend(fontsize="small", loc="upper left")
 
 
 def summary_lines(run: dict[str, Any]) -> list[str]:
@@ -84,6 +129,11 @@ def summary_lines(run: dict[str, Any]) -> list[str]:
             f"eval loss: {run['evals'][-1]['eval_loss']:.4f} "
             f"(perplexity {run['evals'][-1]['eval_perplexity']:.2f})"
         )
+    mem, slow = memory_line(last), slowest_line(last)
+    if mem:
+        lines.append(f"fullest worker: {mem}")
+    if slow:
+        lines.append(f"slowest part of the step: {slow}")
     return lines + journal_lines(run.get("journal") or {})
 
 

@@ -563,6 +563,8 @@ def _status(args: argparse.Namespace, client: Any, target: cluster.Target) -> in
         ("eta", runs.duration(p.eta_s) if state in runs.LIVE else "-"),
         ("restarts", str(p.restarts)),
         ("lost steps", str(p.lost_steps)),
+        ("memory", p.memory or "-"),
+        ("slowest", p.slowest or "-"),
     ]
     if p.note:
         lines.append(("note", p.note))

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import checkpoint as ckpt_mod
-from trainer import drill
+from trainer import drill, tracking
 from trainer import journal as journal_mod
 from trainer.checkpoint import (
     CheckpointManager,
@@ -39,7 +39,7 @@ from trainer.checkpoint import (
 from trainer.config import JobConfig
 from trainer.data import IGNORE, BatchPlan, PackedBlocks, StepBatches, TokenCache, eval_indices
 from trainer.errors import UserError
-from trainer.metrics import MetricsFile, mfu, peak_flops, read_records
+from trainer.metrics import MetricsFile, lineage, mfu, peak_flops, read_records
 from trainer.model import (
     check_device,
     count_params,
@@ -50,6 +50,8 @@ from trainer.model import (
 from trainer.runtime import RayRuntime, Runtime, TorchrunRuntime
 from trainer.storage import upload_dir
 from trainer.strategies import ModelSource, Strategy, build_strategy
+from trainer.tracking import open_tracker
+from trainer.workerstats import WorkerStats
 
 log = logging.getLogger("trainer")
 
@@ -233,6 +235,21 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     metrics_file, history = _open_metrics(cfg, rt, start, resume_dir)
     if metrics_file is not None:
         _journal_attempt(rt, metrics_file.attempt, history, start)
+    # Watching the run (trainer.tracking, trainer.workerstats): every rank measures, rank 0
+    # gathers and hands the records to the trackers' background senders.
+    stats = WorkerStats(
+        device, rt.rank, rt.world_size, cfg.tracking.per_rank_every, _ray_gauges(cfg, rt)
+    )
+    tracker = open_tracker(
+        cfg,
+        rt.run,
+        rt.rank,
+        metrics_file.attempt if metrics_file is not None else 1,
+        start,
+        lineage(history)[0],
+    )
+    if tracker.names:
+        tracker.events(journal_mod.read(rt.run))
     end = steps if cfg.train.stop_at_step is None else min(steps, cfg.train.stop_at_step)
     if rt.rank == 0:
         log.info(
@@ -261,17 +278,21 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     preempted: dict[str, Any] | None = None
     for step in range(start, end):
         t0 = time.perf_counter()
-        micro = batches.micro_batches(step)
-        per_rank = _targets_per_rank(micro, device, rt.world_size)
+        with stats.phase("data"):
+            micro = batches.micro_batches(step)
+            per_rank = _targets_per_rank(micro, device, rt.world_size)
         loss_acc = torch.zeros((), device=device)
-        for m, (ids, labels) in enumerate(micro):
-            x = torch.from_numpy(ids).to(device, non_blocking=True)
-            y = torch.from_numpy(labels).to(device, non_blocking=True)
-            with strategy.accumulating(m == len(micro) - 1):
-                loss_acc += strategy.train_micro(x, y, per_rank)
-        lr = scheduler.get_last_lr()[0]
-        grad_norm = strategy.step()
-        scheduler.step()
+        with stats.phase("fwd_bwd"):
+            for m, (ids, labels) in enumerate(micro):
+                x = torch.from_numpy(ids).to(device, non_blocking=True)
+                y = torch.from_numpy(labels).to(device, non_blocking=True)
+                with strategy.accumulating(m == len(micro) - 1):
+                    loss_acc += strategy.train_micro(x, y, per_rank)
+        with stats.phase("optim"):
+            lr = scheduler.get_last_lr()[0]
+            grad_norm = strategy.step()
+            scheduler.step()
+        stats.step_done()
         done = step + 1
         ts.step = done
         ts.tokens_seen += cfg.tokens_per_step
@@ -319,10 +340,13 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         if eval_blocks is not None and (
             is_last or (cfg.train.eval_every and done % cfg.train.eval_every == 0)
         ):
-            metrics.update(evaluate(strategy, eval_blocks, cfg, rt, device))
+            with stats.phase("eval"):
+                metrics.update(evaluate(strategy, eval_blocks, cfg, rt, device))
+        metrics.update(stats.gather())  # collective: per-worker memory and step phases
         last = metrics
         if metrics_file is not None:
             metrics_file.write({"event": "train", "attempt": metrics_file.attempt, **metrics})
+        tracker.metrics(metrics)
         if rt.rank == 0:
             log.info(
                 "step %d/%d loss %.4f lr %.3g tokens/s %.0f mfu %s%s",
@@ -334,8 +358,12 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
                 "n/a" if metrics["mfu"] is None else f"{metrics['mfu']:.1%}",
                 f" eval_loss {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else "",
             )
+        stalled = time.perf_counter()  # export, checkpoint and report: the checkpoint stall
         if export:
             _export(rt, strategy, tokenizer, done)
+            tracker.tag(
+                "raylift.export", rt.run.join(ckpt_mod.EXPORT_DIR, ckpt_mod.dir_name(done)).uri
+            )
         ckpt_dir = None
         if save:
             saving = time.monotonic()
@@ -350,6 +378,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
             rt.note_save(done, time.monotonic() - saving)
             if rt.rank == 0 and metrics_file is not None:
                 metrics_file.flush()
+            tracker.flush()
         kind = "emergency" if emergency else ("final" if is_last else "periodic")
         owned = False
         try:
@@ -359,6 +388,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         finally:
             if ckpt_dir is not None and not owned:
                 shutil.rmtree(ckpt_dir, ignore_errors=True)
+        stats.timer.add("ckpt", time.perf_counter() - stalled)
         _drill_kill(rt, done, metrics_file, device)
         drill.hold(done, "train", rt.rank)
         if emergency:
@@ -390,8 +420,24 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         _write_probe(rt, strategy, train_blocks, device)
     if rt.journal is not None:
         rt.journal.add("finished" if end == steps else "stopped", step=end)
+    if tracker.names:
+        tracker.events(journal_mod.read(rt.run))
+        tracker.close("finished" if end == steps else "stopped")
     rt.release_fetched()
     return last
+
+
+def _ray_gauges(cfg: JobConfig, rt: Runtime) -> Any:
+    """Per-worker gauges for Ray's metrics (dashboard, Prometheus) on a Ray run."""
+    if not cfg.tracking.ray_metrics or not isinstance(rt, RayRuntime):
+        return None
+    from trainer.workerstats import RayGauges
+
+    try:
+        return RayGauges(cfg.run.name, rt.rank)
+    except Exception as exc:  # metrics must never stop training
+        log.warning("Ray metrics not exported: %s", exc)
+        return None
 
 
 def _drill_kill(rt: Runtime, done: int, metrics_file: Any, device: torch.device) -> None:
@@ -507,13 +553,20 @@ def ray_worker(config: dict[str, Any]) -> None:
 
     setup_logging(ray_worker=True)
     cfg = JobConfig.model_validate(config["job"])
-    train(cfg, Prepared(**config["prepared"]), RayRuntime(cfg))
+    try:
+        train(cfg, Prepared(**config["prepared"]), RayRuntime(cfg))
+    except BaseException:
+        tracking.close_active("failed")
+        raise
 
 
 def torchrun_worker(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
     rt = TorchrunRuntime(cfg, cfg.backend)
     try:
         return train(cfg, prep, rt)
+    except BaseException:
+        tracking.close_active("failed")
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

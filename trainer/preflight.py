@@ -125,7 +125,29 @@ def run_all(cfg: JobConfig, strict: bool = True) -> Report:
         check_data_file(cfg.data.eval_file, "data.eval_file", strict, cfg.data.on_bad_line, report)
     check_strategy(cfg, strict, report)
     check_storage(cfg, report)
+    check_tracking(cfg, strict, report)
     return report
+
+
+TRACKER_PACKAGES = {"mlflow": "mlflow", "wandb": "wandb", "tensorboard": "tensorboardX"}
+
+
+def check_tracking(cfg: JobConfig, strict: bool, report: Report) -> None:
+    """A tracker whose client is not installed where the job runs is an error before any
+    worker starts (on a laptop, only a note: the image is what counts)."""
+    import importlib.util
+
+    for name in cfg.tracking.trackers:
+        module = TRACKER_PACKAGES[name]
+        if importlib.util.find_spec(module) is not None:
+            continue
+        msg = (
+            f"tracking.{name}: the {module} package is not installed here; install the "
+            "trackers with pip install 'raylift[track]' (or remove tracking." + name + ")"
+        )
+        if strict:
+            raise UserError(msg)
+        report.notes.append(msg + "; checked again on the cluster")
 
 
 def check_strategy(cfg: JobConfig, strict: bool, report: Report) -> None:

@@ -15,6 +15,11 @@ measurement. The data is tokenized once, before the first round, and the Ray clu
 test session's: a head and two 1-CPU nodes) stays up for all rounds (its start-up is not
 what is measured).
 
+Watching the run (issue 21): the Raylift runs always measure per-worker memory and step
+phases and gather them once per logged step; `raylift_torchrun_watched` also logs every
+record to MLflow (a sqlite store), W&B (offline) and TensorBoard from rank 0's background
+senders. Target: ≥ 0.99 of the unwatched torchrun run, within the same round.
+
 Sizes (for a quick run on a busy machine): RAYLIFT_BENCH_STEPS, RAYLIFT_BENCH_HIDDEN,
 RAYLIFT_BENCH_LAYERS; RAYLIFT_BENCH_LOG_EVERY sets the steps between metric records;
 RAYLIFT_BENCH_REPEATS the rounds.
@@ -41,6 +46,7 @@ BLOCK, MICRO = 128, 8
 ROWS = size("RAYLIFT_BENCH_ROWS", 20000, 2000)
 SEAM_TARGET = 0.97  # issue 8: DDP through the seam within 3% of the old path
 RAY_TARGET = 0.95
+WATCH_TARGET = 0.99  # issue 21: trackers cost under 1% of tokens/s
 HERE = Path(__file__).resolve().parent
 
 
@@ -91,6 +97,17 @@ def test_trainer_overhead(ray_cluster, tmp_path):
         _torchrun(["-m", "trainer", "run", str(path), "--set", f"run.name=torchrun-{i}"])
         return {"tokens_per_s": tps(f"torchrun-{i}")}
 
+    watched = [
+        "tracking.tensorboard=true",
+        f"tracking.mlflow={{tracking_uri: 'sqlite:///{tmp_path / 'mlflow.db'}'}}",
+        "tracking.wandb={project: bench, mode: offline}",
+    ]
+
+    def raylift_torchrun_watched(i: int) -> dict[str, float]:
+        sets = [x for w in watched for x in ("--set", w)]
+        _torchrun(["-m", "trainer", "run", str(path), "--set", f"run.name=watched-{i}", *sets])
+        return {"tokens_per_s": tps(f"watched-{i}")}
+
     def bare_ddp(i: int) -> dict[str, float]:
         out = tmp_path / f"bare-{i}.json"
         _torchrun(
@@ -123,10 +140,20 @@ def test_trainer_overhead(ray_cluster, tmp_path):
             "raylift_torchrun": raylift_torchrun,
             "bare_ddp": bare_ddp,
             "raylift_ray_train": raylift_ray,
+            "raylift_torchrun_watched": raylift_torchrun_watched,
         },
         checks=[
             Check("ratio_torchrun", _ratio("raylift_torchrun"), SEAM_TARGET, unit="× bare"),
             Check("ratio_ray_train", _ratio("raylift_ray_train"), RAY_TARGET, unit="× bare"),
+            Check(
+                "ratio_watched",
+                lambda r: (
+                    r["raylift_torchrun_watched"]["tokens_per_s"]
+                    / r["raylift_torchrun"]["tokens_per_s"]
+                ),
+                WATCH_TARGET,
+                unit="× unwatched",
+            ),
         ],
         metric="tokens_per_s",
         unit="tokens/s",

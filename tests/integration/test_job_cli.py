@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from urllib.parse import urlparse
 
@@ -67,6 +68,11 @@ def test_run_lifecycle_through_the_verbs(ray_cluster, job, capsys):
     assert step >= 2 and total == 5000
     assert float(lines["loss"]) > 0 and float(lines["tokens/s"]) > 0
     assert lines["eta"] != "-" and lines["restarts"] == "0" and lines["lost steps"] == "0"
+    # The fullest rank and the slowest part of the step (trainer.workerstats).
+    memory = r"rank [01]: \d+\.\d\d GiB peak \(\d+% of \d+\.\d GiB\)"
+    assert re.fullmatch(memory, lines["memory"]), lines["memory"]
+    slowest = r" \d\.\d{3} s of \d\.\d{3} s per step \(\d+%\); slowest rank [01]$"
+    assert re.search(slowest, lines["slowest"]), lines["slowest"]
 
     assert submit.main(["list", *common]) == 0
     table = capsys.readouterr().out

@@ -6,6 +6,7 @@ the export is checked with plain transformers / peft."""
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -254,7 +255,13 @@ def test_lora_adapter_and_merged_exports_reproduce_logits(ray_cluster, job, tiny
     from transformers import AutoModelForCausalLM
 
     lora = {"adapter": "lora", "lora": {"merge_on_export": True}}
-    cfg, summary, _ = _run_killed(ray_cluster, job("lora", model=lora, optim={"lr": 1e-2}))
+    # An MLflow server that is down for the whole run (nothing listens on its port): the
+    # run trains, restarts and exports all the same, and says what it could not send.
+    down = {"mlflow": {"tracking_uri": f"http://127.0.0.1:{_closed_port()}"}}
+    path = job("lora", model=lora, optim={"lr": 1e-2}, tracking=down)
+    cfg, summary, logs = _run_killed(ray_cluster, path)
+    assert "tracker mlflow: open failed" in logs
+    assert re.search(r"tracker mlflow: \d+ points not sent .* every one is in metrics.jsonl", logs)
     records, steps, wasted = history(cfg)
     assert [r["from_step"] for r in records if r.get("event") == "resume"] == [KILL_AT]
     assert [r["step"] for r in steps] == list(range(1, 13)) and wasted == 0
@@ -281,11 +288,18 @@ def test_qlora_eval_mid_training_changes_nothing_and_resume_is_exact(ray_cluster
     identical (an evaluation changed nothing, and the resume restored everything)."""
     qlora = {"adapter": "qlora"}
     optim = {"lr": 1e-2, "name": "adamw8bit"}
-    path = job("qlora", model=qlora, optim=optim, train={"eval_every": 2})
+    db = Path(tempfile.mkdtemp(prefix="raylift-mlflow-")) / "mlflow.db"
+    tracking = {
+        "mlflow": {"tracking_uri": f"sqlite:///{db}", "experiment": "qlora"},
+        "wandb": {"project": "raylift-test", "mode": "offline"},
+        "tensorboard": True,
+    }
+    path = job("qlora", model=qlora, optim=optim, train={"eval_every": 2}, tracking=tracking)
     cfg, summary, _ = _run_killed(ray_cluster, path, at=10)
     records, steps, wasted = history(cfg)
     assert [r["from_step"] for r in records if r.get("event") == "resume"] == [KILL_AT]
     assert [r["step"] for r in steps] == list(range(1, 13)) and wasted == 2
+    _trackers_hold_every_step_once(Path(cfg.storage.path) / cfg.run.name, f"sqlite:///{db}")
     assert [r["step"] for r in steps if "eval_loss" in r] == [2, 4, 6, 8, 10, 12]
     for step, (first, again) in zip((9, 10), retrained(records, [9, 10]), strict=True):
         assert again == pytest.approx(first, abs=1e-6), step
@@ -391,3 +405,58 @@ def test_ccl_backend_config_prepares_every_worker_before_the_process_group(ray_c
         assert env["FI_PROVIDER"] == "tcp" and env["CCL_WORKER_COUNT"] == "1"
         assert env["bindings_loaded"] and env["backend"] == "gloo" and env["world"] == 2
         assert env["CCL_LOCAL_RANK"] is not None
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _trackers_hold_every_step_once(run_dir: Path, mlflow_uri: str) -> None:
+    """The QLoRA run trained 1-10, lost 9-10 to the kill and trained 9-12 again: one
+    tracker run per tracker, holding steps 1-12 once each (TensorBoard by purging)."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.trackers import tb_events, wandb_history
+
+    ids = json.loads((run_dir / "tracking.json").read_text())
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("qlora").experiment_id])
+    assert run.info.run_id == ids["mlflow"] and run.info.status == "FINISHED"
+    steps = sorted(m.step for m in client.get_metric_history(ids["mlflow"], "loss"))
+    assert steps == list(range(1, 13)), steps
+    evals = sorted(m.step for m in client.get_metric_history(ids["mlflow"], "eval_loss"))
+    assert evals == [2, 4, 6, 8, 10, 12]
+    assert {m.step for m in client.get_metric_history(ids["mlflow"], "mem_reserved_gib_max")} == (
+        set(range(1, 13))
+    )
+    assert run.data.params["model.adapter"] == "qlora" and run.data.params["run.name"] == "qlora"
+    assert run.data.tags["raylift.export"] == str(run_dir / "export" / "step_00000012")
+    events = [json.loads(v) for k, v in run.data.tags.items() if k.startswith("raylift.event.")]
+    attempts = [e for e in events if e["event"] == "attempt"]
+    assert [(a["from_step"], a["lost_steps"]) for a in attempts] == [(0, 0), (8, 2)]
+
+    tb = tb_events(run_dir / "tensorboard")
+    assert sorted(n.rsplit(".", 1)[1] for n in tb) == ["attempt-1", "attempt-2"]
+    by_attempt = {n.rsplit(".", 1)[1]: evs for n, evs in tb.items()}
+
+    def tb_steps(events):
+        return [e.step for e in events for v in e.summary.value if v.tag == "loss"]
+
+    assert tb_steps(by_attempt["attempt-1"]) == list(range(1, 11))
+    second = by_attempt["attempt-2"]
+    assert tb_steps(second) == [9, 10, 11, 12]
+    purge = [e.step for e in second if e.HasField("session_log")]
+    assert purge[:1] == [9]  # TensorBoard drops attempt 1's 9 and 10
+
+    # Offline W&B: a folder per attempt, one run id. Attempt 1's folder holds what W&B
+    # wrote before the kill (its writes are batched: on this loaded 2-core machine the
+    # kill can come before the first batch); attempt 2's, closed cleanly, 9 to 12.
+    folders = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2 and all(f.name.endswith(ids["wandb"]) for f in folders), folders
+    first = [int(r["_step"]) for r in wandb_history(folders[0])]
+    assert first == list(range(1, len(first) + 1)) and len(first) <= 10, first
+    assert [int(r["_step"]) for r in wandb_history(folders[1])] == [9, 10, 11, 12]

@@ -28,7 +28,11 @@ def test_torchrun_text_format_trains_checkpoints_and_exports(job, tmp_path):
     """Under torchrun, on plain-text rows. (Resuming under torchrun, from a checkpoint a
     Ray run wrote, is part of test_ray_train's exact-resume test.)"""
     data = write_dataset(tmp_path / "text.jsonl", 1500, seed=3, fmt="text")
-    path = job("tr", data={"train_file": str(data), "eval_file": None})
+    path = job(
+        "tr",
+        data={"train_file": str(data), "eval_file": None},
+        tracking={"tensorboard": True, "per_rank_every": 4},
+    )
     res = torchrun(path)
     assert res.returncode == 0, res.stderr[-3000:]
 
@@ -44,6 +48,17 @@ def test_torchrun_text_format_trains_checkpoints_and_exports(job, tmp_path):
     assert state["world_size"] == 2 and state["tokens_seen"] == 12 * 8 * 32
     summary = next(line for line in res.stdout.splitlines() if line.startswith("RAYLIFT_SUMMARY "))
     assert json.loads(summary.split(" ", 1)[1])["checkpoint"].endswith("step_00000012")
+    # Every logged step has both ranks' memory and step phases; every 4th record (and the
+    # first) each rank's own values; the TensorBoard event file is in the run folder.
+    assert all(r["mem_peak_gib_max"] > 0.1 and r["t_fwd_bwd_s_max"] > 0 for r in steps)
+    assert all(r["mem_peak_gib_max_rank"] in (0, 1) for r in steps)
+    assert [r["step"] for r in steps if "per_rank" in r] == [1, 4, 8, 12]
+    assert all(len(r["per_rank"]["host_rss_gib"]) == 2 for r in steps if "per_rank" in r)
+    # A checkpoint's stall lands in the record after it (steps 4 and 8 save).
+    ckpt = {r["step"]: r["t_ckpt_s_max"] for r in steps}
+    assert min(ckpt[5], ckpt[9]) > max(ckpt[s] for s in (2, 3, 6, 7)), ckpt
+    (events,) = Path(run.path, "tensorboard").glob("events.out.tfevents.*.attempt-1")
+    assert events.stat().st_size > 1000
 
 
 def test_torchrun_bad_config_is_one_line(job):

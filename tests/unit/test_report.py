@@ -79,3 +79,47 @@ def test_journal_lines_say_what_faults_cost(tmp_path):
         "checkpoints: 1 (mean save 0.25 s, mean upload 1.50 s, upload retries 0)",
         "spot notice at step 15: saved in 2.0 s with 100 s left",
     ]
+
+
+def _worker_fields(step: int) -> dict:
+    """Per-worker values as the loop records them: rank 1 grows, rank 0 stays flat."""
+    mem = [2.0, 2.0 + 0.5 * step]
+    phases = {"data": 0.01, "fwd_bwd": 0.3, "optim": 0.05, "ckpt": 0.4 * (step == 5), "eval": 0}
+    rec = {"mem_capacity_gib": 24.0, "per_rank": {"mem_reserved_gib": mem}}
+    for field, values in (("mem_reserved_gib", mem), ("mem_peak_gib", mem)):
+        rec.update({f"{field}_max": max(values), f"{field}_max_rank": 1})
+    rec["mem_peak_pct_max"] = 100 * max(mem) / 24.0
+    rec.update(alloc_retries_max=0.0, ooms_max=0.0)
+    for name, t in phases.items():
+        rec.update({f"t_{name}_s_mean": t, f"t_{name}_s_max": t * 1.5, f"t_{name}_s_max_rank": 1})
+    return rec
+
+
+def test_worker_memory_and_step_breakdown(tmp_path):
+    run_dir = tmp_path / "runs" / "w"
+    run_dir.mkdir(parents=True)
+    recs = [
+        {"event": "train", "attempt": 1, "step": s, "loss": 3.0, "tokens_per_s": 9.0}
+        | _worker_fields(s)
+        for s in range(1, 9)
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    run = report.load_run(str(run_dir))
+    lines = report.summary_lines(run)
+    assert "fullest worker: rank 1: 6.00 GiB peak (25% of 24.0 GiB)" in lines
+    assert (
+        "slowest part of the step: forward+backward 0.300 s of 0.360 s per step (83%); "
+        "slowest rank 1" in lines
+    )
+    png = report.plot(run, tmp_path / "w.png", "w")
+    import matplotlib.image
+
+    img = matplotlib.image.imread(str(png))
+    assert img.shape[0] > 800  # two rows of plots: loss/throughput, memory/breakdown
+
+
+def test_plot_without_worker_records(tmp_path):
+    run_dir = tmp_path / "runs" / "old"
+    _write_history(run_dir / "metrics.jsonl")
+    png = report.plot(report.load_run(str(run_dir)), tmp_path / "old.png", "old")
+    assert png.stat().st_size > 10_000

@@ -66,6 +66,43 @@ class Progress:
     restarts: int = 0
     lost_steps: int = 0
     note: str | None = None  # why nothing could be read, when so
+    memory: str | None = None  # the fullest rank at the last logged step
+    slowest: str | None = None  # the phase that took most of the step
+
+
+PHASE_NAMES = {
+    "data": "data wait",
+    "fwd_bwd": "forward+backward",
+    "optim": "optimizer step",
+    "ckpt": "checkpoint stall",
+    "eval": "eval",
+}
+
+
+def memory_line(rec: dict[str, Any]) -> str | None:
+    """The fullest rank of a metrics record: `rank 3: 21.40 GiB peak (89% of 24.0 GiB)`."""
+    if "mem_reserved_gib_max" not in rec:
+        return None
+    rank = rec["mem_reserved_gib_max_rank"]
+    line = f"rank {rank}: {rec['mem_reserved_gib_max']:.2f} GiB peak"
+    if rec.get("mem_capacity_gib"):
+        line += f" ({rec['mem_peak_pct_max']:.0f}% of {rec['mem_capacity_gib']:.1f} GiB)"
+    if rec.get("ooms_max") or rec.get("alloc_retries_max"):
+        line += f", {rec['alloc_retries_max']:.0f} allocator retries, {rec['ooms_max']:.0f} OOMs"
+    return line
+
+
+def slowest_line(rec: dict[str, Any]) -> str | None:
+    """The phase that took most of the step (mean over ranks), and its slowest rank."""
+    means = {p: rec.get(f"t_{p}_s_mean") for p in PHASE_NAMES}
+    if any(v is None for v in means.values()):
+        return None
+    total = sum(means.values()) or 1e-12
+    top = max(means, key=lambda p: means[p])
+    return (
+        f"{PHASE_NAMES[top]} {means[top]:.3f} s of {total:.3f} s per step "
+        f"({means[top] / total:.0%}); slowest rank {rec[f't_{top}_s_max_rank']}"
+    )
 
 
 def read_progress(meta: dict[str, str], total: int | None = None) -> Progress:
@@ -110,6 +147,8 @@ def read_progress(meta: dict[str, str], total: int | None = None) -> Progress:
         eta_s=eta,
         restarts=restarts,
         lost_steps=lost,
+        memory=memory_line(last),
+        slowest=slowest_line(last),
     )
 
 
