@@ -498,3 +498,43 @@ def test_a_file_cut_off_by_a_storage_outage_is_an_error_not_a_silent_success(tmp
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def test_an_s3_file_cut_off_mid_multipart_upload_raises_and_leaves_no_object(tmp_path):
+    """The same guarantee for the S3 path checkpoints take (boto3's transfer manager, files
+    and parts in parallel): the server is stopped once the first part's bytes are going
+    out, from the transfer's own progress callback, so the outage lands mid-file by
+    construction. The upload must raise an OSError naming the file, and once the server
+    is back no object stands at the key (a multipart upload is never completed)."""
+    from tests.conftest import S3_KEY, S3_SECRET, WeedServer
+    from trainer.storage import put_files_s3
+
+    (tmp_path / "weed").mkdir()
+    server = WeedServer(tmp_path / "weed")
+    server.start()
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = S3_KEY, S3_SECRET
+    src = tmp_path / "optimizer.pt"
+    src.write_bytes(os.urandom(48 << 20))  # three 16 MiB parts
+    stopped = threading.Event()
+
+    def cut(_: int) -> None:
+        if not stopped.is_set():
+            stopped.set()
+            server.stop()
+
+    try:
+        loc = resolve("s3://ckpt/cut-s3", server.endpoint)
+        with pytest.raises(OSError, match=r"S3 upload of s3://ckpt/cut-s3/optimizer.pt failed"):
+            put_files_s3([(src, "optimizer.pt")], loc, on_progress=cut)
+        assert stopped.is_set()
+        server.start()
+        listing = server.client.list_objects_v2(Bucket="ckpt", Prefix="cut-s3/")
+        assert [o["Key"] for o in listing.get("Contents", [])] == []
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
