@@ -169,6 +169,43 @@ def test_three_worker_kills_one_mid_upload_resume_from_newest_complete_checkpoin
     _same_weights(load_file(str(run_dir / FINAL)), reference["weights"], atol=1e-5)
 
 
+def test_kill_during_a_background_write_resumes_from_the_previous_checkpoint(
+    ray_cluster, tiny, tmp_path, reference
+):
+    """Checkpoints are staged (copied to host memory) and written by a background thread
+    (trainer.staging). The write of step 50 is held before its manifest: training must
+    go on past it meanwhile (the stall is only the copy), nothing of step 50 may look
+    complete in storage, and a SIGKILL of the writing rank inside that window resumes
+    from step 25 and still ends on the uninterrupted run's weights."""
+    path = fault_job(tiny, tmp_path, "killwrite")
+    cfg = submit.absolutize(load_config(path, []), Path.cwd())
+    held, release = 2 * EVERY, tmp_path / "release"
+    client, job_id = submit.submit(
+        cfg,
+        ray_cluster.dashboard_url,
+        env_vars={"RAYLIFT_FAULT_HOLD_WRITE": f"{held}:{release}"},
+    )
+    run_dir = Path(cfg.storage.path) / cfg.run.name
+    run = resolve(str(run_dir))
+    # DDP: rank 0 writes the model and optimizer; its background write holds.
+    _wait(lambda: _held(release, "write", ranks=1), "step 50's write held", client, job_id)
+
+    def trained_past() -> bool:
+        return any(r["step"] >= held + 3 for r in _train_records(run_dir))
+
+    _wait(trained_past, "steps trained during the held write", client, job_id)
+    assert ckpt_mod.completeness(run.join(ckpt_mod.dir_name(held)))[0] is None
+    os.kill(_train_workers(client, job_id)[0].pid, signal.SIGKILL)
+    release.touch()
+    _finish(client, job_id)
+
+    records, steps, _ = history(cfg)
+    resumes = [r for r in records if r.get("event") == "resume"]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert [r["from_step"] for r in resumes] == [held - EVERY], resumes
+    _same_weights(load_file(str(run_dir / FINAL)), reference["weights"], atol=1e-5)
+
+
 def test_s3_outage_during_upload_is_retried_without_stopping_training(
     ray_cluster, tiny, tmp_path, s3_server, reference
 ):
