@@ -359,6 +359,8 @@ class FSDPStrategy(ModelCalls):
     def _checkpoint_group(self) -> Any:
         """A gloo group over every rank for DCP's background collectives, made the first
         time (collective: every rank checkpoints the same steps)."""
+        if not dist.is_initialized():
+            return None  # one process without a process group: DCP plans locally
         if getattr(self, "_ckpt_group", None) is None:
             self._ckpt_group = dist.new_group(backend="gloo")
         return self._ckpt_group
