@@ -16,6 +16,7 @@ flight (the planner counts one: `trainer.plan.host_memory`, `staging`).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,13 +67,13 @@ class BackgroundWrites:
 
     def submit(self, folder: Path, write: Writer) -> None:
         with self._lock:
-            self._pending[str(folder)] = self._pool.submit(write)
+            self._pending[os.path.realpath(folder)] = self._pool.submit(write)
 
     def wait(self, folder: Path) -> None:
         """Return once `folder` is written (at once if it was written inline); raise the
         writer's error if it failed."""
         with self._lock:
-            future = self._pending.pop(str(folder), None)
+            future = self._pending.pop(os.path.realpath(folder), None)
         if future is not None:
             future.result()
 
