@@ -203,7 +203,6 @@ def put_files_s3(
     caller's transient/permanent classification and retries apply as for pyarrow.
     `on_progress(bytes)` is called from the transfer threads as parts go out."""
     from boto3.s3.transfer import TransferConfig, create_transfer_manager
-    from botocore.exceptions import BotoCoreError, ClientError
     from s3transfer.subscribers import BaseSubscriber
 
     class Progress(BaseSubscriber):
@@ -218,20 +217,21 @@ def put_files_s3(
         max_concurrency=S3_CONCURRENCY,
         preferred_transfer_client="classic",
     )
-    manager = create_transfer_manager(s3_client(loc.endpoint, loc.region), config)
-    futures = []
-    try:
+    # The manager as a context: leaving it on an error cancels what is still queued
+    # (its shutdown(cancel=True) is broken in s3transfer 0.19.3: it passes the flag as
+    # the message), and leaving it normally waits for every transfer.
+    with create_transfer_manager(s3_client(loc.endpoint, loc.region), config) as manager:
+        futures = []
         for src, rel in files:
             key = f"{prefix.rstrip('/')}/{rel}" if prefix else rel
             futures.append((rel, manager.upload(str(src), bucket, key, subscribers=[Progress()])))
         for rel, future in futures:
             try:
                 future.result()
-            except (BotoCoreError, ClientError, OSError) as exc:
+            except Exception as exc:
+                # Any failure is this file's: botocore's and s3transfer's errors are not
+                # OSErrors; the text keeps what `is_transient` looks for.
                 raise OSError(f"S3 upload of {loc.uri}/{rel} failed: {_short(exc)}") from exc
-    finally:
-        # On an error, cancel what is still queued; the raised error is the one above.
-        manager.shutdown(cancel=any(not f.done() for _, f in futures))
 
 
 def put_tree(files: list[tuple[Path, str]], loc: Location) -> None:
