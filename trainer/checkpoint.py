@@ -35,6 +35,7 @@ import numpy as np
 import pyarrow.fs as pafs
 import torch
 
+from trainer import drill, staging
 from trainer.errors import CheckpointError
 from trainer.storage import Location
 
@@ -222,7 +223,11 @@ def load_rng(ckpt: Path, rank: int) -> bool:
 
 class Stateful(Protocol):
     """One part of a resume checkpoint. `save` writes this rank's share under `out`;
-    `load` reads it back from a complete checkpoint (all ranks' files are there)."""
+    `load` reads it back from a complete checkpoint (all ranks' files are there).
+
+    A part whose state is large may also have `stage(out, rank) -> Writer | None`: copy
+    the state now (training then goes on) and return what writes it under `out` later,
+    on the background thread (`trainer.staging`)."""
 
     def save(self, out: Path, rank: int) -> None: ...
 
@@ -285,6 +290,16 @@ class StrategyPart:
     def save(self, out: Path, rank: int) -> None:
         (out / "strategy").mkdir(exist_ok=True)
         self.strategy.save_state(out / "strategy", rank)
+
+    def stage(self, out: Path, rank: int) -> staging.Writer | None:
+        """The strategy's staged save where it has one (DDP, FSDP), else an inline save
+        (DeepSpeed: its engine writes its own files) and nothing left to write."""
+        stage = getattr(self.strategy, "stage_state", None)
+        if stage is None:
+            self.save(out, rank)
+            return None
+        (out / "strategy").mkdir(exist_ok=True)
+        return stage(out / "strategy", rank)
 
     def load(self, ckpt: Path, rank: int) -> None:
         self.strategy.load_state(ckpt / "strategy", rank)
@@ -371,11 +386,18 @@ class CheckpointManager:
 
     def save(self, extra: dict[str, Any]) -> Path:
         """Write this rank's share of a checkpoint into a fresh local folder (the runtime
-        uploads it) and its manifest. Collective: every rank calls it."""
+        uploads it) and its manifest. Collective: every rank calls it. Parts that stage
+        are only copied here; their files and the manifest are written in the background
+        (`trainer.staging`), and the runtime's upload waits for them."""
         step = self.train_state.step
         out = Path(tempfile.mkdtemp(prefix=f"raylift-ckpt-{step}-r{self.rank}-"))
+        writers: list[staging.Writer] = []
         for part in self.parts.values():
-            part.save(out, self.rank)
+            stage = getattr(part, "stage", None)
+            if stage is None:
+                part.save(out, self.rank)
+            elif (writer := stage(out, self.rank)) is not None:
+                writers.append(writer)
         if self.rank == 0:
             state = {
                 "format": FORMAT,
@@ -387,7 +409,19 @@ class CheckpointManager:
                 **extra,
             }
             (out / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
-        write_manifest(out, self.rank, before=set())
+        if not writers:
+            write_manifest(out, self.rank, before=set())
+            return out
+        staging.copy_done()
+        rank = self.rank
+
+        def finish() -> None:
+            for writer in writers:
+                writer()
+            drill.hold_write(step, rank)
+            write_manifest(out, rank, before=set())
+
+        staging.submit(out, finish)
         return out
 
     def restore(self, ckpt: Path) -> dict[str, Any]:

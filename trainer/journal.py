@@ -14,8 +14,10 @@ Readers merge the files by time. Events (each a JSON object with `time`, `event`
   `node_lost`, `preempted`, `error`), `ranks`, `message`.
 - `preemption`: a spot notice reached the loop: `step`, `deadline_s` (seconds left when
   seen), `save_s` (the emergency checkpoint), `margin_s` (deadline left after saving).
-- `checkpoint`: `step`, `kind` (`periodic`, `emergency`, `final`), `save_s` (writing the
-  local files), `upload_s` (persisting them; async uploads report when done).
+- `checkpoint`: `step`, `kind` (`periodic`, `emergency`, `final`), `save_s` (what the
+  training step spent: staging copies, small files), `write_wait_s` (the upload's wait
+  for the background write of the staged state), `upload_s` (persisting the files;
+  async uploads report when done).
 - `upload_retry`: a transient storage error during an upload, retried: `step`, `error`.
 - `finished`: the run reached its last step.
 - `driver`: a driver (submission) started: `submission`, `resubmit`.

@@ -353,6 +353,11 @@ class HostMemory:
     process: float
     export: float
     """Only on rank 0's node: the full model consolidated on CPU to write the export."""
+    staging: float = 0.0
+    """Every rank: the host-memory copy of its resume state that a checkpoint stages
+    while the background thread writes it (trainer.staging): FSDP's shard."""
+    staging_rank0: float = 0.0
+    """Rank 0 only: the same for DDP and adapters, whose rank 0 writes the whole state."""
 
 
 def activation_bytes(shape: ModelShape, s: Setup, checkpointing: bool) -> float:
@@ -579,8 +584,15 @@ def _adapter_memory(shape: ModelShape, s: Setup) -> tuple[float, float, float, l
 def host_memory(shape: ModelShape, s: Setup, rank: RankMemory) -> HostMemory:
     """Host RAM per rank. A CPU rank's whole footprint is host RAM."""
     m, n, c, o = shape.params, s.world, s.c, s.optim_bytes
+    staged = _staging_bytes(shape, s)
     if not s.gpu:
-        return HostMemory(offload=0.0, load=0.0, process=rank.total, export=_export_bytes(shape, s))
+        return HostMemory(
+            offload=0.0,
+            load=0.0,
+            process=rank.total,
+            export=_export_bytes(shape, s),
+            **staged,
+        )
     offload = 0.0
     if s.adapter == "none" and s.strategy == "fsdp" and s.fsdp_cpu_offload:
         offload = (4 + 4 + o) * m / n  # fp32 param shards, fp32 grad shards, Adam state
@@ -600,8 +612,29 @@ def host_memory(shape: ModelShape, s: Setup, rank: RankMemory) -> HostMemory:
     else:
         load = 0.0  # FSDP: meta skeleton + mmapped shards; ZeRO-3: partitioned init
     return HostMemory(
-        offload=offload, load=load, process=HOST_PER_GPU_PROCESS, export=_export_bytes(shape, s)
+        offload=offload,
+        load=load,
+        process=HOST_PER_GPU_PROCESS,
+        export=_export_bytes(shape, s),
+        **staged,
     )
+
+
+def _staging_bytes(shape: ModelShape, s: Setup) -> dict[str, float]:
+    """The staging copy of one checkpoint (trainer.staging): fp32 trainable weights and
+    their optimizer state, in host RAM until the background write is done. FSDP stages
+    each rank's shard (DCP async_save); DDP and adapters stage on rank 0 only; DeepSpeed
+    writes inline through its engine and stages nothing."""
+    if s.adapter != "none":
+        lora = shape.lora_params(s.lora_r, list(s.lora_targets))
+        return {"staging_rank0": float((4 + s.optim_bytes) * lora)}
+    if s.strategy == "ddp":
+        return {"staging_rank0": float((4 + s.optim_bytes) * shape.params)}
+    if s.strategy == "fsdp":
+        share, _, _ = _rank_params(shape, s)
+        dp = max(s.world // (s.tp * s.pp), 1)
+        return {"staging": float((4 + s.optim_bytes) * share / dp)}
+    return {}
 
 
 def _export_bytes(shape: ModelShape, s: Setup) -> float:
@@ -775,7 +808,9 @@ def layout(
 
 def _host_need(host: HostMemory, ranks: int, rank0: bool) -> float:
     """Peak of the load phase and the training phase (plus the export on rank 0's node)."""
-    steady = ranks * (host.process + host.offload) + (host.export if rank0 else 0.0)
+    steady = ranks * (host.process + host.offload + host.staging) + (
+        host.export + host.staging_rank0 if rank0 else 0.0
+    )
     loading = ranks * (host.process + host.load)
     return HOST_NODE_RESERVE + max(steady, loading)
 
@@ -988,7 +1023,8 @@ def format_plan(p: Plan) -> str:
         f"  framework overhead {gib(r.overhead):>12}",
         f"  total              {gib(r.total):>12}",
         f"host RAM per rank: process {gib(p.host.process)}, offload {gib(p.host.offload)}, "
-        f"load {gib(p.host.load)}; export on rank 0's node {gib(p.host.export)}",
+        f"load {gib(p.host.load)}, checkpoint staging {gib(p.host.staging)}; export on "
+        f"rank 0's node {gib(p.host.export)}, staging on rank 0 {gib(p.host.staging_rank0)}",
     ]
     for title, lay in (("layout", p.layout), ("cheapest layout that fits", p.cheapest)):
         if lay is None:

@@ -7,6 +7,7 @@ folder layout, so a run can move between the two and resume either way.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -20,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from trainer import checkpoint as ckpt_mod
-from trainer import drill
+from trainer import drill, staging
 from trainer.config import JobConfig
 from trainer.errors import UserError
 from trainer.journal import Journal
@@ -95,6 +96,8 @@ class Runtime:
         """Persist a checkpoint folder (retrying transient errors) and journal it."""
         target = self.run.join(ckpt_mod.dir_name(step))
         started = time.monotonic()
+        staging.wait_written(src)  # the files a part staged are written in the background
+        written_s = round(time.monotonic() - started, 3)
 
         def on_retry(n: int, exc: BaseException) -> None:
             if self.journal is not None:
@@ -109,7 +112,8 @@ class Runtime:
                 step=step,
                 kind=kind,
                 save_s=self._save_s.pop(step, None),
-                upload_s=round(time.monotonic() - started, 3),
+                write_wait_s=written_s,
+                upload_s=round(time.monotonic() - started - written_s, 3),
             )
         return target
 
@@ -173,10 +177,10 @@ class RayRuntime(Runtime):
         newest = ckpt_mod.find_latest(self.run, self.allow_scratch)
         reported = ray.train.get_checkpoint()
         if reported is not None:
-            loc = Location(
-                self.run.fs,  # the raw filesystem: Ray may hand a retrying wrapper
-                reported.path,
-                ("s3://" + reported.path) if self.run.is_s3 else reported.path,
+            loc = dataclasses.replace(
+                self.run,  # the raw filesystem: Ray may hand a retrying wrapper
+                path=reported.path,
+                uri=("s3://" + reported.path) if self.run.is_s3 else reported.path,
             )
             state, why = ckpt_mod.completeness(loc)
             if state is None:

@@ -169,6 +169,43 @@ def test_three_worker_kills_one_mid_upload_resume_from_newest_complete_checkpoin
     _same_weights(load_file(str(run_dir / FINAL)), reference["weights"], atol=1e-5)
 
 
+def test_kill_during_a_background_write_resumes_from_the_previous_checkpoint(
+    ray_cluster, tiny, tmp_path, reference
+):
+    """Checkpoints are staged (copied to host memory) and written by a background thread
+    (trainer.staging). The write of step 50 is held before its manifest: training must
+    go on past it meanwhile (the stall is only the copy), nothing of step 50 may look
+    complete in storage, and a SIGKILL of the writing rank inside that window resumes
+    from step 25 and still ends on the uninterrupted run's weights."""
+    path = fault_job(tiny, tmp_path, "killwrite")
+    cfg = submit.absolutize(load_config(path, []), Path.cwd())
+    held, release = 2 * EVERY, tmp_path / "release"
+    client, job_id = submit.submit(
+        cfg,
+        ray_cluster.dashboard_url,
+        env_vars={"RAYLIFT_FAULT_HOLD_WRITE": f"{held}:{release}"},
+    )
+    run_dir = Path(cfg.storage.path) / cfg.run.name
+    run = resolve(str(run_dir))
+    # DDP: rank 0 writes the model and optimizer; its background write holds.
+    _wait(lambda: _held(release, "write", ranks=1), "step 50's write held", client, job_id)
+
+    def trained_past() -> bool:
+        return any(r["step"] >= held + 3 for r in _train_records(run_dir))
+
+    _wait(trained_past, "steps trained during the held write", client, job_id)
+    assert ckpt_mod.completeness(run.join(ckpt_mod.dir_name(held)))[0] is None
+    os.kill(_train_workers(client, job_id)[0].pid, signal.SIGKILL)
+    release.touch()
+    _finish(client, job_id)
+
+    records, steps, _ = history(cfg)
+    resumes = [r for r in records if r.get("event") == "resume"]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert [r["from_step"] for r in resumes] == [held - EVERY], resumes
+    _same_weights(load_file(str(run_dir / FINAL)), reference["weights"], atol=1e-5)
+
+
 def test_s3_outage_during_upload_is_retried_without_stopping_training(
     ray_cluster, tiny, tmp_path, s3_server, reference
 ):
@@ -492,6 +529,46 @@ def test_a_file_cut_off_by_a_storage_outage_is_an_error_not_a_silent_success(tmp
             put_file(pipe, loc.fs, loc.path)
     finally:
         feeder.join(timeout=120)
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_an_s3_file_cut_off_mid_multipart_upload_raises_and_leaves_no_object(tmp_path):
+    """The same guarantee for the S3 path checkpoints take (boto3's transfer manager, files
+    and parts in parallel): the server is stopped once the first part's bytes are going
+    out, from the transfer's own progress callback, so the outage lands mid-file by
+    construction. The upload must raise an OSError naming the file, and once the server
+    is back no object stands at the key (a multipart upload is never completed)."""
+    from tests.conftest import S3_KEY, S3_SECRET, WeedServer
+    from trainer.storage import put_files_s3
+
+    (tmp_path / "weed").mkdir()
+    server = WeedServer(tmp_path / "weed")
+    server.start()
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = S3_KEY, S3_SECRET
+    src = tmp_path / "optimizer.pt"
+    src.write_bytes(os.urandom(48 << 20))  # three 16 MiB parts
+    stopped = threading.Event()
+
+    def cut(_: int) -> None:
+        if not stopped.is_set():
+            stopped.set()
+            server.stop()
+
+    try:
+        loc = resolve("s3://ckpt/cut-s3", server.endpoint)
+        with pytest.raises(OSError, match=r"S3 upload of s3://ckpt/cut-s3/optimizer.pt failed"):
+            put_files_s3([(src, "optimizer.pt")], loc, on_progress=cut)
+        assert stopped.is_set()
+        server.start()
+        listing = server.client.list_objects_v2(Bucket="ckpt", Prefix="cut-s3/")
+        assert [o["Key"] for o in listing.get("Contents", [])] == []
+    finally:
         server.stop()
         for k, v in saved.items():
             if v is None:

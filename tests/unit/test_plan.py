@@ -393,3 +393,23 @@ def test_submit_skips_the_plan_when_its_inputs_are_only_on_the_cluster(tmp_path,
     assert "plan: skipped" in caplog.text and "/efs/ds.json" in caplog.text
     cfg = load_config(_job(tmp_path, model={"path": str(tmp_path / "elsewhere")}))
     assert P.submit_refusal(cfg, args) is None
+
+
+def test_checkpoint_staging_copy_is_counted_in_host_ram():
+    """A checkpoint stages a host copy of the resume state while it is written in the
+    background (trainer.staging): FSDP every rank's fp32 shard and its Adam moments
+    (12 B per param / N), DDP the whole state on rank 0 only, DeepSpeed nothing."""
+    fsdp = Setup("fsdp", world=16, precision="bf16")
+    host = P.host_memory(L7, fsdp, rank_memory(L7, fsdp))
+    assert host.staging == pytest.approx(12 * M / 16) and host.staging_rank0 == 0
+    lay = P.layout(L7, fsdp, "g5.12xlarge")  # 4 A10G per node
+    worker = next(n for n in lay.nodes if not n.rank0)
+    assert worker.host_need == pytest.approx(
+        P.HOST_NODE_RESERVE + 4 * (P.HOST_PER_GPU_PROCESS + 12 * M / 16)
+    )
+    ddp = Setup("ddp", world=2, precision="bf16")
+    host = P.host_memory(L7, ddp, rank_memory(L7, ddp))
+    assert host.staging == 0 and host.staging_rank0 == pytest.approx(12 * M)
+    zero3 = Setup("zero3", world=16, precision="bf16")
+    host = P.host_memory(L7, zero3, rank_memory(L7, zero3))
+    assert host.staging == host.staging_rank0 == 0

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer import adapters
+from trainer import adapters, staging
 from trainer.config import JobConfig
 from trainer.errors import CheckpointError
 from trainer.model import load_model
@@ -93,16 +93,28 @@ class DDPStrategy(ModelCalls):
     def evaluating(self) -> contextlib.AbstractContextManager:
         return Evaluating(self.model)
 
-    def save_state(self, out: Path, rank: int) -> None:
-        if rank != 0:
-            return
+    def _resume_state(self) -> dict[str, Any]:
         if adapters.enabled(self.cfg):
             weights: dict[str, Any] = adapters.trainable_state(self.hf)
         else:
             weights = self.hf.state_dict()
-        torch.save(weights, out / "model.pt")
-        torch.save(self.optimizer.state_dict(), out / "optimizer.pt")
-        torch.save(self.scaler.state_dict(), out / "scaler.pt")
+        return {
+            "model.pt": weights,
+            "optimizer.pt": self.optimizer.state_dict(),
+            "scaler.pt": self.scaler.state_dict(),
+        }
+
+    def save_state(self, out: Path, rank: int) -> None:
+        if rank == 0:
+            _write(self._resume_state(), out)
+
+    def stage_state(self, out: Path, rank: int) -> staging.Writer | None:
+        """A host-memory copy of the trainable weights and the optimizer state, written
+        by the background thread (trainer.staging); rank 0 only, as `save_state`."""
+        if rank != 0:
+            return None
+        copy = staging.snapshot(self._resume_state(), pin=self.device.type == "cuda")
+        return lambda: _write(copy, out)
 
     def load_state(self, ckpt: Path, rank: int) -> None:
         try:
@@ -138,6 +150,11 @@ class DDPStrategy(ModelCalls):
         # DDP's reducer also keeps its gradient buckets (about one more copy of the
         # gradients) in C++; they are communication buffers, not counted here.
         return torch_state_nbytes(self.hf, self.optimizer)
+
+
+def _write(files: dict[str, Any], out: Path) -> None:
+    for name, obj in files.items():
+        torch.save(obj, out / name)
 
 
 def _source_vocab(model_dir: Path) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer import staging
 from trainer.config import FSDPOptions, JobConfig
 from trainer.errors import CheckpointError, UserError
 from trainer.model import full_state_dict, model_config
@@ -317,6 +318,52 @@ class FSDPStrategy(ModelCalls):
 
         state, _ = self._state()
         dcp.save(state, checkpoint_id=str(out / "dcp2"))
+
+    def stage_state(self, out: Path, rank: int) -> staging.Writer:
+        """dcp/2 through DCP's async_save: the shards are copied to host memory here
+        (pinned on GPUs), planned and written by DCP's thread on a gloo group of their
+        own (collectives of a second thread must not share the training's group);
+        the returned writer waits for that write. Same files as `save_state`."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        state, _ = self._state()
+        gpu = self.device.type == "cuda"
+        stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=gpu,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=gpu,
+            )
+        )
+        try:
+            future = dcp.async_save(
+                state,
+                checkpoint_id=str(out / "dcp2"),
+                process_group=self._checkpoint_group(),
+                async_stager=stager,
+            )
+        except BaseException:
+            stager.close()
+            raise
+
+        def write() -> None:
+            try:
+                future.result()
+            finally:
+                stager.close()
+
+        return write
+
+    def _checkpoint_group(self) -> Any:
+        """A gloo group over every rank for DCP's background collectives, made the first
+        time (collective: every rank checkpoints the same steps)."""
+        if not dist.is_initialized():
+            return None  # one process without a process group: DCP plans locally
+        if getattr(self, "_ckpt_group", None) is None:
+            self._ckpt_group = dist.new_group(backend="gloo")
+        return self._ckpt_group
 
     def load_state(self, ckpt: Path, rank: int) -> None:
         import torch.distributed.checkpoint as dcp
