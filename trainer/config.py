@@ -106,6 +106,13 @@ class DataSection(_Section):
         description="Rows longer than block_size: split across blocks, or drop them; the count "
         "is reported either way.",
     )
+    attention: Literal["auto", "document", "causal"] = Field(
+        default="auto",
+        description="document: a token attends only to earlier tokens of its own row, and "
+        "positions restart per row (a block-causal mask: packed rows stay independent). "
+        "causal: every earlier token of the packed block. auto: document when the data has "
+        "chat or prompt/completion rows, causal for plain text (and under strategy.pp > 1).",
+    )
     tokenize_on: Literal["auto", "driver", "cluster"] = Field(
         default="auto",
         description="cluster: Ray Data tasks on every node's CPUs, one per input file. driver: "
@@ -411,6 +418,15 @@ class JobConfig(_Section):
             raise ValueError(
                 "optim.name: adamw8bit is not available with strategy deepspeed (DeepSpeed's "
                 "ZeRO optimizer owns the optimizer states); use adamw, or ddp/fsdp for 8-bit"
+            )
+        if (
+            self.data.attention == "document"
+            and isinstance(self.strategy, FSDPOptions)
+            and self.strategy.pp > 1
+        ):
+            raise ValueError(
+                "data.attention: document is not supported with strategy.pp > 1 in this build "
+                "(pipeline stages build their own causal mask); use causal or pp = 1"
             )
         if self.model.adapter != "none" and self.strategy.name != "ddp":
             # The sharded strategies build the model without PEFT (FSDP2's meta-device

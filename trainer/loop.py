@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import checkpoint as ckpt_mod
-from trainer import drill
+from trainer import drill, packing
 from trainer import journal as journal_mod
 from trainer.checkpoint import (
     CheckpointManager,
@@ -116,7 +116,7 @@ def _target_count(labels: Any) -> int:
 
 
 def _targets_per_rank(
-    micro: list[tuple[Any, Any]], device: torch.device, world: int
+    micro: list[tuple[Any, ...]], device: torch.device, world: int
 ) -> torch.Tensor:
     """The loss divisor that makes a step's loss the mean over every target token of the
     global batch (all micro-batches, all ranks): each micro-batch's loss is its token sum
@@ -124,7 +124,7 @@ def _targets_per_rank(
     the micro-batches hold different numbers of targets, so a mean of per-batch means
     would weigh tokens unequally, and a batch of prompt tokens only would be NaN; a
     global batch with no target at all trains nothing (loss 0)."""
-    local = sum(_target_count(labels) for _, labels in micro)
+    local = sum(_target_count(batch[1]) for batch in micro)
     (total,) = _all_reduce_sum([float(local)], device, world)
     return torch.tensor(max(total, 1.0) / world, device=device)
 
@@ -146,9 +146,9 @@ def evaluate(
         for ix in eval_indices(
             len(blocks), cfg.train.micro_batch_size, replicas, replica, cfg.train.eval_batches
         ):
-            ids, labels = blocks.gather(ix)
+            ids, labels, *segs = blocks.gather(ix)
             x, y = torch.from_numpy(ids).to(device), torch.from_numpy(labels).to(device)
-            loss = strategy.eval_loss(x, y)
+            loss = strategy.eval_loss(x, y, **_attention(segs, cfg, device))
             n = _target_count(y)  # the predictions the loss averaged over
             if n:  # a batch of prompt tokens only has no loss (HF returns NaN for it)
                 loss_sum += loss * n
@@ -156,6 +156,24 @@ def evaluate(
     loss_sum, count = _all_reduce_sum([loss_sum, count], device, rt.world_size)
     loss = loss_sum / max(count, 1.0)
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+
+
+def attention_mode(cfg: JobConfig, train_meta: dict[str, Any]) -> str:
+    """`data.attention` resolved for this corpus: auto is document attention for chat and
+    prompt/completion rows, causal for plain text and under pipeline parallelism (whose
+    stages build their own causal mask; the config refuses an explicit document there)."""
+    setting = cfg.data.attention
+    if setting == "auto" and getattr(cfg.strategy, "pp", 1) > 1:
+        return "causal"
+    return packing.resolve(setting, int(train_meta.get("chat_documents", 0)))
+
+
+def _attention(segs: list[np.ndarray], cfg: JobConfig, device: torch.device) -> dict[str, Any]:
+    """The model's attention arguments for a batch's segments (none: causal)."""
+    if not segs:
+        return {}
+    seg = torch.from_numpy(segs[0]).to(device, non_blocking=True)
+    return packing.attention_inputs(seg, cfg.model.attn_implementation)
 
 
 def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
@@ -174,7 +192,10 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
                 f"tokenized data {cache} is not visible on worker node {socket.gethostname()}: "
                 "put the data on the shared FS (EFS), mounted at the same path on every node"
             )
-    train_blocks = PackedBlocks(TokenCache(Path(prep.train_cache)), cfg.data.block_size)
+    train_cache = TokenCache(Path(prep.train_cache))
+    attention = attention_mode(cfg, train_cache.meta)
+    documents = attention == "document"
+    train_blocks = PackedBlocks(train_cache, cfg.data.block_size, documents)
     # The global batch is fixed by the config; on fewer workers (an elastic run that lost
     # a node) each accumulates more micro steps, and the global sample order is unchanged.
     # Workers of one model-parallel group (tp × pp) read the same batches: one replica.
@@ -194,7 +215,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     steps = total_steps(cfg, plan.steps_per_epoch)
     scheduler = build_scheduler(cfg, strategy.optimizer, steps)
     eval_blocks = (
-        PackedBlocks(TokenCache(Path(prep.eval_cache)), cfg.data.block_size)
+        PackedBlocks(TokenCache(Path(prep.eval_cache)), cfg.data.block_size, documents)
         if prep.eval_cache
         else None
     )
@@ -237,7 +258,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     if rt.rank == 0:
         log.info(
             "training %s: %d params, steps %d→%d of %d, global batch %d × %d tokens, "
-            "%d workers, strategy %s, adapter %s",
+            "%d workers, strategy %s, adapter %s, %s attention",
             cfg.run.name,
             n_params,
             start,
@@ -248,6 +269,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
             rt.world_size,
             strategy.name,
             cfg.model.adapter,
+            attention,
         )
 
     peak = peak_flops(
@@ -264,11 +286,12 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         micro = batches.micro_batches(step)
         per_rank = _targets_per_rank(micro, device, rt.world_size)
         loss_acc = torch.zeros((), device=device)
-        for m, (ids, labels) in enumerate(micro):
+        for m, (ids, labels, *segs) in enumerate(micro):
             x = torch.from_numpy(ids).to(device, non_blocking=True)
             y = torch.from_numpy(labels).to(device, non_blocking=True)
+            extra = _attention(segs, cfg, device)
             with strategy.accumulating(m == len(micro) - 1):
-                loss_acc += strategy.train_micro(x, y, per_rank)
+                loss_acc += strategy.train_micro(x, y, per_rank, **extra)
         lr = scheduler.get_last_lr()[0]
         grad_norm = strategy.step()
         scheduler.step()
