@@ -120,7 +120,7 @@ def test_cache_segments_follow_rows_and_long_rows_restart(tmp_path, tokenizer):
         for i in range(40)
     ]
     data = write(tmp_path / "chat.jsonl", rows)
-    settings = Settings(chat_template=TEMPLATE, block_size=16)
+    settings = Settings(chat_template=TEMPLATE, block_size=16, loss_on="all")
     cache = prepare(data, tokenizer, progress=False, settings=settings)
     assert cache.meta["chat_documents"] == 40
     alone = [
@@ -139,11 +139,13 @@ def test_cache_segments_follow_rows_and_long_rows_restart(tmp_path, tokenizer):
     expected = np.union1d(ends[:-1], block_starts)
     assert starts[starts < ends[-1]].tolist() == expected[expected < ends[-1]].tolist()
     assert all(s[0] == 0 for s in segs)
-    flat_labels = labels.reshape(-1)
-    assert (flat_labels[ends[:-1]] == IGNORE).all()  # every row start but the first
+    # Every token is in the loss (loss_on: all) but a row's first inside a block.
     causal_ids, causal_labels = PackedBlocks(cache, 16).gather(np.arange(len(blocks)))
-    assert (causal_ids == ids).all()
-    assert (causal_labels[labels != IGNORE] == labels[labels != IGNORE]).all()
+    assert (causal_ids == ids).all() and (causal_labels == ids).all()
+    inside = np.zeros_like(segs, dtype=bool)
+    inside[:, 1:] = segs[:, 1:] != segs[:, :-1]
+    assert inside.any() and ((labels == IGNORE) == inside).all()
+    assert (labels[~inside] == ids[~inside]).all()
 
 
 def _job(tmp_path: Path, **data) -> Path:
