@@ -17,7 +17,7 @@ import signal
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from trainer.config import JobConfig
 from trainer.data import IGNORE, BatchPlan, PackedBlocks, StepBatches, TokenCache, eval_indices
 from trainer.errors import UserError
 from trainer.metrics import MetricsFile, mfu, peak_flops, read_records
+from trainer.mixing import MixedBatches, MixPlan
 from trainer.model import (
     check_device,
     count_params,
@@ -64,6 +65,15 @@ class Prepared:
 
     train_cache: str
     eval_cache: str | None
+    # Every source's cache, in data.train_file / eval_file order (one source: [train_cache]).
+    train_caches: list[str] = field(default_factory=list)
+    eval_caches: list[str] = field(default_factory=list)
+
+    def train_list(self) -> list[str]:
+        return self.train_caches or [self.train_cache]
+
+    def eval_list(self) -> list[str]:
+        return self.eval_caches or ([self.eval_cache] if self.eval_cache else [])
 
 
 def seed_all(seed: int) -> None:
@@ -136,10 +146,29 @@ def _all_reduce_sum(values: list[float], device: torch.device, world: int) -> li
     return t.tolist()
 
 
-def evaluate(
-    strategy: Strategy, blocks: PackedBlocks, cfg: JobConfig, rt: Runtime, device: torch.device
+def evaluate_all(
+    strategy: Strategy,
+    sets: dict[str, PackedBlocks],
+    cfg: JobConfig,
+    rt: Runtime,
+    device: torch.device,
 ) -> dict[str, float]:
-    """Token-weighted mean loss over the eval set (or its first eval_batches per rank)."""
+    """eval_loss over every eval source together (token-weighted), and with several
+    sources, eval_loss/<name> for each."""
+    parts = {name: _eval_sums(strategy, blocks, cfg, rt, device) for name, blocks in sets.items()}
+    loss_sum = sum(s for s, _ in parts.values())
+    count = sum(n for _, n in parts.values())
+    loss = loss_sum / max(count, 1.0)
+    out = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+    if len(parts) > 1:
+        out.update({f"eval_loss/{k}": s / max(n, 1.0) for k, (s, n) in parts.items()})
+    return out
+
+
+def _eval_sums(
+    strategy: Strategy, blocks: PackedBlocks, cfg: JobConfig, rt: Runtime, device: torch.device
+) -> tuple[float, float]:
+    """(loss × targets, targets) summed over every rank's eval batches."""
     loss_sum, count = 0.0, 0.0
     replica, replicas = cfg.data_rank(rt.rank, rt.world_size)
     with strategy.evaluating():
@@ -154,8 +183,7 @@ def evaluate(
                 loss_sum += loss * n
                 count += n
     loss_sum, count = _all_reduce_sum([loss_sum, count], device, rt.world_size)
-    loss = loss_sum / max(count, 1.0)
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+    return loss_sum, count
 
 
 def attention_mode(cfg: JobConfig, train_meta: dict[str, Any]) -> str:
@@ -186,39 +214,52 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     strategy.setup(ModelSource(model_src, len(tokenizer)))
     n_params = count_params(strategy.model)
 
-    for cache in (prep.train_cache, prep.eval_cache):
+    for cache in prep.train_list() + prep.eval_list():
         if cache and not (Path(cache) / "manifest.json").exists():
             raise UserError(
                 f"tokenized data {cache} is not visible on worker node {socket.gethostname()}: "
                 "put the data on the shared FS (EFS), mounted at the same path on every node"
             )
-    train_cache = TokenCache(Path(prep.train_cache))
-    attention = attention_mode(cfg, train_cache.meta)
+    train_caches = [TokenCache(Path(c)) for c in prep.train_list()]
+    chats = sum(int(c.meta.get("chat_documents", 0)) for c in train_caches)
+    attention = attention_mode(cfg, {"chat_documents": chats})
     documents = attention == "document"
-    train_blocks = PackedBlocks(train_cache, cfg.data.block_size, documents)
+    sources = [PackedBlocks(c, cfg.data.block_size, documents) for c in train_caches]
+    train_blocks = sources[0]
+    names = [s.name or "data" for s in cfg.data.sources("train")]
     # The global batch is fixed by the config; on fewer workers (an elastic run that lost
     # a node) each accumulates more micro steps, and the global sample order is unchanged.
     # Workers of one model-parallel group (tp × pp) read the same batches: one replica.
     replica, replicas = cfg.data_rank(rt.rank, rt.world_size)
-    plan = BatchPlan(
-        len(train_blocks),
-        cfg.train.micro_batch_size,
-        cfg.grad_accum_for(rt.world_size),
-        replicas,
-        cfg.train.seed,
-    )
+    plan: BatchPlan | MixPlan
+    if len(sources) == 1:
+        plan = BatchPlan(
+            len(train_blocks),
+            cfg.train.micro_batch_size,
+            cfg.grad_accum_for(rt.world_size),
+            replicas,
+            cfg.train.seed,
+        )
+    else:
+        plan = MixPlan(
+            [len(b) for b in sources],
+            [s.weight for s in cfg.data.sources("train")],
+            cfg.train.micro_batch_size,
+            cfg.grad_accum_for(rt.world_size),
+            replicas,
+            cfg.train.seed,
+        )
     if plan.steps_per_epoch < 1:
         raise UserError(
-            f"{cfg.data.train_file}: {len(train_blocks)} blocks of {cfg.data.block_size} tokens "
-            f"are fewer than one global batch ({plan.global_batch})"
+            f"{cfg.data.train_file}: {sum(len(b) for b in sources)} blocks of "
+            f"{cfg.data.block_size} tokens are fewer than one global batch ({plan.global_batch})"
         )
     steps = total_steps(cfg, plan.steps_per_epoch)
     scheduler = build_scheduler(cfg, strategy.optimizer, steps)
-    eval_blocks = (
-        PackedBlocks(TokenCache(Path(prep.eval_cache)), cfg.data.block_size, documents)
-        if prep.eval_cache
-        else None
-    )
+    eval_sets = {
+        s.name or "data": PackedBlocks(TokenCache(Path(c)), cfg.data.block_size, documents)
+        for s, c in zip(cfg.data.sources("eval"), prep.eval_list(), strict=True)
+    }
 
     ts = TrainState()
     manager = CheckpointManager(
@@ -275,7 +316,11 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     peak = peak_flops(
         torch.cuda.get_device_name(device) if device.type == "cuda" else None, cfg.train.precision
     )
-    batches = StepBatches(train_blocks, plan, replica)
+    batches: StepBatches | MixedBatches
+    if isinstance(plan, MixPlan):
+        batches = MixedBatches(sources, plan, replica)
+    else:
+        batches = StepBatches(train_blocks, plan, replica)
     last: dict[str, Any] = {}
     strategy.model.train()
     window_start, window_tokens = time.perf_counter(), 0
@@ -339,10 +384,11 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
             "tokens_seen": ts.tokens_seen,
             "mfu": mfu(n_params, tps / rt.world_size, peak),
         }
-        if eval_blocks is not None and (
-            is_last or (cfg.train.eval_every and done % cfg.train.eval_every == 0)
-        ):
-            metrics.update(evaluate(strategy, eval_blocks, cfg, rt, device))
+        if isinstance(plan, MixPlan):
+            seen = plan.counts_before(done) * cfg.data.block_size
+            metrics.update({f"tokens_seen/{n}": int(t) for n, t in zip(names, seen, strict=True)})
+        if eval_sets and (is_last or (cfg.train.eval_every and done % cfg.train.eval_every == 0)):
+            metrics.update(evaluate_all(strategy, eval_sets, cfg, rt, device))
         last = metrics
         if metrics_file is not None:
             metrics_file.write({"event": "train", "attempt": metrics_file.attempt, **metrics})

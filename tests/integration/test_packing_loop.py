@@ -117,3 +117,46 @@ def read_records_at(run: Path) -> list[dict]:
     from trainer.storage import resolve
 
     return read_records(resolve(str(run.parent)).join(run.name, "metrics.jsonl"))
+
+
+def test_mixed_sources_resume_exactly_and_report_per_source(job, tiny, tmp_path):
+    """Two sources mixed 3:1 (plain rows and chat rows: document attention by default):
+    stopped at step 3 and resumed, the run repeats the uninterrupted run's losses; tokens
+    seen and eval loss are reported per source."""
+    chat = write(tmp_path / "chat.jsonl", chat_rows(300, seed=9))
+    chat_eval = write(tmp_path / "chat-eval.jsonl", chat_rows(40, seed=10))
+    data = {
+        "train_file": [
+            {"path": str(tiny["train"]), "weight": 3, "name": "qa"},
+            {"path": str(chat), "name": "chat"},
+        ],
+        "eval_file": [{"path": str(tiny["eval"]), "name": "qa"}, {"path": str(chat_eval)}],
+        "chat_template": TEMPLATE,
+    }
+    common = {"max_steps": 6, "eval_every": 3, "eval_batches": 2}
+    straight = job("mix-straight", data=data, train=common, scaling={"num_workers": 1})
+    res = torchrun(["-m", "trainer", "run", str(straight)], nproc=1, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "document attention" in res.stderr
+    resumed = job(
+        "mix-resumed",
+        data=data,
+        train={**common, "stop_at_step": 3},
+        scaling={"num_workers": 1},
+        checkpoint={"every_steps": 3},
+    )
+    for extra in ([], ["--set", "train.stop_at_step=null"]):
+        res = torchrun(["-m", "trainer", "run", str(resumed), *extra], nproc=1, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+
+    a, _ = lineage(read_records_at(tmp_path / "runs" / "mix-straight"))
+    b, _ = lineage(read_records_at(tmp_path / "runs" / "mix-resumed"))
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 7))
+    assert np.allclose([r["loss"] for r in a], [r["loss"] for r in b], rtol=0, atol=1e-6)
+    last = a[-1]
+    qa, ch = last["tokens_seen/qa"], last["tokens_seen/chat"]
+    assert qa + ch == last["tokens_seen"] and qa > ch > 0
+    assert b[-1]["tokens_seen/chat"] == ch
+    assert {"eval_loss", "eval_loss/qa", "eval_loss/chat-eval"} <= set(last)
+    lo, hi = sorted([last["eval_loss/qa"], last["eval_loss/chat-eval"]])
+    assert lo <= last["eval_loss"] <= hi
