@@ -53,10 +53,21 @@ _PATH_FIELDS = (
 def absolutize(cfg: JobConfig, base: Path) -> JobConfig:
     """Relative paths mean 'relative to where I submit from'; the job runs elsewhere."""
     data = cfg.model_dump(mode="json")
+
+    def absolute(value: str) -> str:
+        if value and "://" not in value and not Path(value).is_absolute():
+            return str((base / value).resolve())
+        return value
+
     for section, key in _PATH_FIELDS:
         value = data[section].get(key)
-        if value and "://" not in value and not Path(value).is_absolute():
-            data[section][key] = str((base / value).resolve())
+        if isinstance(value, str):
+            data[section][key] = absolute(value)
+        elif isinstance(value, list):  # a mix of data sources
+            data[section][key] = [
+                absolute(v) if isinstance(v, str) else {**v, "path": absolute(v["path"])}
+                for v in value
+            ]
     return JobConfig.model_validate(data)
 
 
@@ -107,7 +118,8 @@ def job_env(cfg: JobConfig, names: list[str] | None = None) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
     if os.environ.get("RAYLIFT_DEBUG"):
         env["RAYLIFT_DEBUG"] = os.environ["RAYLIFT_DEBUG"]
-    s3_paths = (cfg.storage.path, cfg.data.train_file, cfg.data.eval_file, cfg.model.path)
+    data_paths = [src.path for w in ("train", "eval") for src in cfg.data.sources(w)]
+    s3_paths = (cfg.storage.path, cfg.model.path, *data_paths)
     if cfg.storage.endpoint_override and any(str(x).startswith("s3://") for x in s3_paths):
         env.update({k: os.environ[k] for k in STORAGE_CREDENTIALS if k in os.environ})
     for item in names or []:

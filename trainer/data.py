@@ -45,7 +45,8 @@ from trainer.sources import (
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
+"""3: every shard has a `.docs` array of document ends (document attention needs them)."""
 IGNORE = -100  # the label Hugging Face's loss skips
 _BATCH_DOCS = 2048
 _BATCH_CHARS = 1 << 20
@@ -260,6 +261,7 @@ class ShardStats:
     tokens: int = 0
     masked: bool = False
     documents: int = 0
+    chats: int = 0  # rows rendered as a conversation (chat, prompt/completion)
     skipped: int = 0
     first_skipped: list[str] = field(default_factory=list)
     long_rows: int = 0
@@ -311,13 +313,14 @@ def tokenize_file(
             return done
 
         batch: list[Example] = []
-        chars = 0
+        chars = chats = 0
         try:
             for example in iter_examples(
                 src, settings.on_bad_line, report, settings.endpoint, settings.region
             ):
                 batch.append(example)
                 chars += _chars(example)
+                chats += example.text is None
                 if len(batch) == _BATCH_DOCS or chars >= _BATCH_CHARS:
                     hand_over(batch, chars)
                     batch, chars = [], 0
@@ -328,7 +331,7 @@ def tokenize_file(
                 pending[1].cancel()
             writer.close()
     stats = writer.stats
-    stats.documents, stats.skipped = report.documents, report.skipped
+    stats.documents, stats.skipped, stats.chats = report.documents, report.skipped, chats
     stats.first_skipped = report.first_skipped
     return stats
 
@@ -338,7 +341,9 @@ def _chars(example: Example) -> int:
 
 
 class _ShardWriter:
-    """Appends encoded rows to a shard's `.bin` (and `.mask`, once a row is masked)."""
+    """Appends encoded rows to a shard's `.bin` (and `.mask`, once a row is masked), and
+    each row's end offset in the shard to its `.docs` (int64): where documents begin is
+    what document attention needs, and 8 bytes per row is cheap beside the row's tokens."""
 
     def __init__(self, folder: Path, stem: str, dtype: Any, settings: Settings, source: str):
         self.dtype, self.settings = dtype, settings
@@ -346,6 +351,7 @@ class _ShardWriter:
         self.mask_path = folder / f"{stem}.mask"
         self.ids_out = open(folder / f"{stem}.bin", "wb")  # noqa: SIM115 (closed in close())
         self.mask_out = open(self.mask_path, "wb")  # noqa: SIM115
+        self.docs_out = open(folder / f"{stem}.docs", "wb")  # noqa: SIM115
 
     def add(self, encoded: list[tuple[list[int], np.ndarray | None]]) -> None:
         stats, settings, dtype = self.stats, self.settings, self.dtype
@@ -359,6 +365,8 @@ class _ShardWriter:
             kept.append((ids, mask))
         if not kept:
             return  # every row of the batch was dropped
+        ends = stats.tokens + np.cumsum([len(ids) for ids, _ in kept], dtype=np.int64)
+        self.docs_out.write(ends.tobytes())
         if not stats.masked and all(m is None for _, m in kept):
             # Text only so far: no mask file (a pretraining corpus never pays for one).
             flat = np.concatenate([np.asarray(ids, dtype=dtype) for ids, _ in kept])
@@ -378,6 +386,7 @@ class _ShardWriter:
     def close(self) -> None:
         self.ids_out.close()
         self.mask_out.close()
+        self.docs_out.close()
         if not self.stats.masked:
             self.mask_path.unlink(missing_ok=True)
 
@@ -442,6 +451,7 @@ def summarize(sources: list[SourceFile], stats: list[ShardStats], dtype: Any) ->
         "dtype": np.dtype(dtype).name,
         "num_tokens": sum(s.tokens for s in stats),
         "documents": sum(s.documents for s in stats),
+        "chat_documents": sum(s.chats for s in stats),
         "skipped_lines": sum(s.skipped for s in stats),
         "first_skipped": first_skipped,
         "long_rows": sum(s.long_rows for s in stats),
@@ -596,11 +606,17 @@ class PackedBlocks:
     """Fixed-length blocks over the shards laid end to end: block i is tokens
     [i·B, (i+1)·B) of that stream, with its labels (-100 where the mask is 0).
 
+    With `documents`, `gather` also returns each token's segment: the number of the
+    document it belongs to, counted from 0 at the start of the block (a row split across
+    blocks starts a new segment in the next block: its positions restart there). The first
+    token of every document after the first is not a target: under document attention the
+    token before it, the previous document's last, cannot see it coming.
+
     Blocks are read with pread, not through a memory map: the bytes pass through the page
     cache, which the kernel may drop, instead of staying mapped into this process, so a
     worker's resident memory stays flat however much of the corpus it has read."""
 
-    def __init__(self, cache: TokenCache, block_size: int):
+    def __init__(self, cache: TokenCache, block_size: int, documents: bool = False):
         meta = cache.meta
         self.dtype = np.dtype(meta["dtype"])
         shards = [s for s in meta["shards"] if s["tokens"]]
@@ -614,11 +630,17 @@ class PackedBlocks:
         self.block_size = block_size
         self.num_blocks = int(self.starts[-1]) // block_size
         self.files = _Files()
+        self.documents = documents
+        self.doc_paths = [d / f"{s['file']}.docs" for s in shards]
+        if documents and meta.get("version", 0) < 3:
+            raise DataError(f"{d}: a token cache without document ends; delete the folder")
 
     def __len__(self) -> int:
         return self.num_blocks
 
-    def _read(self, start: int, ids_out: np.ndarray, labels_out: np.ndarray) -> None:
+    def _read(
+        self, start: int, ids_out: np.ndarray, labels_out: np.ndarray, segs_out: np.ndarray | None
+    ) -> None:
         stop = start + len(ids_out)
         k = int(np.searchsorted(self.starts, start, side="right")) - 1
         pos = start
@@ -634,17 +656,37 @@ class PackedBlocks:
             if mask_path is not None:
                 mask = np.frombuffer(self.files.pread(mask_path, n, lo), np.uint8)
                 labels_out[a : a + n][mask == 0] = IGNORE
+            if segs_out is not None:
+                segs_out[a : a + n] = k * (1 << 40) + self._doc_of(k, lo, n)
             pos += n
             k += 1
 
-    def gather(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(input ids, labels), each int64 of shape (len(indices), block_size)."""
+    def _doc_of(self, k: int, lo: int, n: int) -> np.ndarray:
+        """The shard-local document number of tokens [lo, lo+n) of shard k."""
+        path = self.doc_paths[k]
+        count = path.stat().st_size // 8
+        ends = np.memmap(path, dtype=np.int64, mode="r", shape=(count,))
+        first = int(np.searchsorted(ends, lo, side="right"))
+        last = int(np.searchsorted(ends, lo + n - 1, side="right"))
+        window = np.asarray(ends[first : last + 1])
+        return first + np.searchsorted(window, np.arange(lo, lo + n), side="right")
+
+    def gather(self, indices: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(input ids, labels), each int64 of shape (len(indices), block_size); with
+        `documents`, (input ids, labels, segments)."""
         b = self.block_size
         ids = np.empty((len(indices), b), dtype=np.int64)
         labels = np.empty((len(indices), b), dtype=np.int64)
+        segs = np.empty((len(indices), b), dtype=np.int64) if self.documents else None
         for row, i in enumerate(indices):
-            self._read(int(i) * b, ids[row], labels[row])
-        return ids, labels
+            self._read(int(i) * b, ids[row], labels[row], None if segs is None else segs[row])
+        if segs is None:
+            return ids, labels
+        starts = np.zeros_like(segs, dtype=bool)
+        starts[:, 1:] = segs[:, 1:] != segs[:, :-1]
+        labels[starts] = IGNORE
+        segs = np.cumsum(starts, axis=1)
+        return ids, labels, segs
 
 
 @dataclass(frozen=True)
@@ -698,7 +740,7 @@ class StepBatches:
         self._epoch = -1
         self._order: np.ndarray | None = None
 
-    def micro_batches(self, step: int) -> list[np.ndarray]:
+    def micro_batches(self, step: int) -> list[tuple[np.ndarray, ...]]:
         epoch = step // self.plan.steps_per_epoch
         if epoch != self._epoch:
             self._epoch, self._order = epoch, self.plan.order(epoch)

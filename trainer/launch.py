@@ -38,17 +38,25 @@ def prepare_inputs(cfg: JobConfig, progress: bool = True) -> Prepared:
         from trainer.distdata import tokenize_on_cluster
 
         common["tokenize_shards"] = tokenize_on_cluster
-    train_cache = prepare(cfg.data.train_file, tokenizer, **common)
-    eval_cache = prepare(cfg.data.eval_file, tokenizer, **common) if cfg.data.eval_file else None
-    blocks = train_cache.meta["num_tokens"] // cfg.data.block_size
-    if blocks < cfg.global_batch:
-        raise UserError(
-            f"data.train_file: {blocks} blocks of {cfg.data.block_size} tokens are fewer than "
-            f"one global batch ({cfg.global_batch}); add data or lower the batch/block size"
-        )
+    # One cache per source, keyed by that source's own inputs: adding a source to a mix
+    # does not tokenize the others again.
+    train = [prepare(src.path, tokenizer, **common) for src in cfg.data.sources("train")]
+    evals = [prepare(src.path, tokenizer, **common) for src in cfg.data.sources("eval")]
+    # A mix draws blocks of each source as often as its weight says, so one block is
+    # enough there; a single source must fill a global batch.
+    need = cfg.global_batch if len(train) == 1 else 1
+    for src, cache in zip(cfg.data.sources("train"), train, strict=True):
+        blocks = cache.meta["num_tokens"] // cfg.data.block_size
+        if blocks < need:
+            raise UserError(
+                f"data.train_file {src.path}: {blocks} blocks of {cfg.data.block_size} tokens "
+                f"are fewer than {need}; add data or lower the batch/block size"
+            )
     return Prepared(
-        train_cache=str(train_cache.dir),
-        eval_cache=str(eval_cache.dir) if eval_cache else None,
+        train_cache=str(train[0].dir),
+        eval_cache=str(evals[0].dir) if evals else None,
+        train_caches=[str(c.dir) for c in train],
+        eval_caches=[str(c.dir) for c in evals],
     )
 
 
@@ -64,7 +72,7 @@ def _tokenize_on_cluster(cfg: JobConfig) -> bool:
         return True
     import glob
 
-    specs = [cfg.data.train_file, cfg.data.eval_file or ""]
+    specs = [src.path for w in ("train", "eval") for src in cfg.data.sources(w)]
     many = any(
         s.startswith("s3://") or Path(s).is_dir() or len(glob.glob(s)) > 1 for s in specs if s
     )

@@ -17,7 +17,7 @@ import signal
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import checkpoint as ckpt_mod
-from trainer import drill, tracking
+from trainer import drill, packing, tracking
 from trainer import journal as journal_mod
 from trainer.checkpoint import (
     CheckpointManager,
@@ -40,6 +40,7 @@ from trainer.config import JobConfig
 from trainer.data import IGNORE, BatchPlan, PackedBlocks, StepBatches, TokenCache, eval_indices
 from trainer.errors import UserError
 from trainer.metrics import MetricsFile, lineage, mfu, peak_flops, read_records
+from trainer.mixing import MixedBatches, MixPlan
 from trainer.model import (
     check_device,
     count_params,
@@ -66,6 +67,15 @@ class Prepared:
 
     train_cache: str
     eval_cache: str | None
+    # Every source's cache, in data.train_file / eval_file order (one source: [train_cache]).
+    train_caches: list[str] = field(default_factory=list)
+    eval_caches: list[str] = field(default_factory=list)
+
+    def train_list(self) -> list[str]:
+        return self.train_caches or [self.train_cache]
+
+    def eval_list(self) -> list[str]:
+        return self.eval_caches or ([self.eval_cache] if self.eval_cache else [])
 
 
 def seed_all(seed: int) -> None:
@@ -118,7 +128,7 @@ def _target_count(labels: Any) -> int:
 
 
 def _targets_per_rank(
-    micro: list[tuple[Any, Any]], device: torch.device, world: int
+    micro: list[tuple[Any, ...]], device: torch.device, world: int
 ) -> torch.Tensor:
     """The loss divisor that makes a step's loss the mean over every target token of the
     global batch (all micro-batches, all ranks): each micro-batch's loss is its token sum
@@ -126,7 +136,7 @@ def _targets_per_rank(
     the micro-batches hold different numbers of targets, so a mean of per-batch means
     would weigh tokens unequally, and a batch of prompt tokens only would be NaN; a
     global batch with no target at all trains nothing (loss 0)."""
-    local = sum(_target_count(labels) for _, labels in micro)
+    local = sum(_target_count(batch[1]) for batch in micro)
     (total,) = _all_reduce_sum([float(local)], device, world)
     return torch.tensor(max(total, 1.0) / world, device=device)
 
@@ -138,26 +148,62 @@ def _all_reduce_sum(values: list[float], device: torch.device, world: int) -> li
     return t.tolist()
 
 
-def evaluate(
-    strategy: Strategy, blocks: PackedBlocks, cfg: JobConfig, rt: Runtime, device: torch.device
+def evaluate_all(
+    strategy: Strategy,
+    sets: dict[str, PackedBlocks],
+    cfg: JobConfig,
+    rt: Runtime,
+    device: torch.device,
 ) -> dict[str, float]:
-    """Token-weighted mean loss over the eval set (or its first eval_batches per rank)."""
+    """eval_loss over every eval source together (token-weighted), and with several
+    sources, eval_loss/<name> for each."""
+    parts = {name: _eval_sums(strategy, blocks, cfg, rt, device) for name, blocks in sets.items()}
+    loss_sum = sum(s for s, _ in parts.values())
+    count = sum(n for _, n in parts.values())
+    loss = loss_sum / max(count, 1.0)
+    out = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+    if len(parts) > 1:
+        out.update({f"eval_loss/{k}": s / max(n, 1.0) for k, (s, n) in parts.items()})
+    return out
+
+
+def _eval_sums(
+    strategy: Strategy, blocks: PackedBlocks, cfg: JobConfig, rt: Runtime, device: torch.device
+) -> tuple[float, float]:
+    """(loss × targets, targets) summed over every rank's eval batches."""
     loss_sum, count = 0.0, 0.0
     replica, replicas = cfg.data_rank(rt.rank, rt.world_size)
     with strategy.evaluating():
         for ix in eval_indices(
             len(blocks), cfg.train.micro_batch_size, replicas, replica, cfg.train.eval_batches
         ):
-            ids, labels = blocks.gather(ix)
+            ids, labels, *segs = blocks.gather(ix)
             x, y = torch.from_numpy(ids).to(device), torch.from_numpy(labels).to(device)
-            loss = strategy.eval_loss(x, y)
+            loss = strategy.eval_loss(x, y, **_attention(segs, cfg, device))
             n = _target_count(y)  # the predictions the loss averaged over
             if n:  # a batch of prompt tokens only has no loss (HF returns NaN for it)
                 loss_sum += loss * n
                 count += n
     loss_sum, count = _all_reduce_sum([loss_sum, count], device, rt.world_size)
-    loss = loss_sum / max(count, 1.0)
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+    return loss_sum, count
+
+
+def attention_mode(cfg: JobConfig, train_meta: dict[str, Any]) -> str:
+    """`data.attention` resolved for this corpus: auto is document attention for chat and
+    prompt/completion rows, causal for plain text and under pipeline parallelism (whose
+    stages build their own causal mask; the config refuses an explicit document there)."""
+    setting = cfg.data.attention
+    if setting == "auto" and getattr(cfg.strategy, "pp", 1) > 1:
+        return "causal"
+    return packing.resolve(setting, int(train_meta.get("chat_documents", 0)))
+
+
+def _attention(segs: list[np.ndarray], cfg: JobConfig, device: torch.device) -> dict[str, Any]:
+    """The model's attention arguments for a batch's segments (none: causal)."""
+    if not segs:
+        return {}
+    seg = torch.from_numpy(segs[0]).to(device, non_blocking=True)
+    return packing.attention_inputs(seg, cfg.model.attn_implementation)
 
 
 def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
@@ -170,36 +216,52 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     strategy.setup(ModelSource(model_src, len(tokenizer)))
     n_params = count_params(strategy.model)
 
-    for cache in (prep.train_cache, prep.eval_cache):
+    for cache in prep.train_list() + prep.eval_list():
         if cache and not (Path(cache) / "manifest.json").exists():
             raise UserError(
                 f"tokenized data {cache} is not visible on worker node {socket.gethostname()}: "
                 "put the data on the shared FS (EFS), mounted at the same path on every node"
             )
-    train_blocks = PackedBlocks(TokenCache(Path(prep.train_cache)), cfg.data.block_size)
+    train_caches = [TokenCache(Path(c)) for c in prep.train_list()]
+    chats = sum(int(c.meta.get("chat_documents", 0)) for c in train_caches)
+    attention = attention_mode(cfg, {"chat_documents": chats})
+    documents = attention == "document"
+    sources = [PackedBlocks(c, cfg.data.block_size, documents) for c in train_caches]
+    train_blocks = sources[0]
+    names = [s.name or "data" for s in cfg.data.sources("train")]
     # The global batch is fixed by the config; on fewer workers (an elastic run that lost
     # a node) each accumulates more micro steps, and the global sample order is unchanged.
     # Workers of one model-parallel group (tp × pp) read the same batches: one replica.
     replica, replicas = cfg.data_rank(rt.rank, rt.world_size)
-    plan = BatchPlan(
-        len(train_blocks),
-        cfg.train.micro_batch_size,
-        cfg.grad_accum_for(rt.world_size),
-        replicas,
-        cfg.train.seed,
-    )
+    plan: BatchPlan | MixPlan
+    if len(sources) == 1:
+        plan = BatchPlan(
+            len(train_blocks),
+            cfg.train.micro_batch_size,
+            cfg.grad_accum_for(rt.world_size),
+            replicas,
+            cfg.train.seed,
+        )
+    else:
+        plan = MixPlan(
+            [len(b) for b in sources],
+            [s.weight for s in cfg.data.sources("train")],
+            cfg.train.micro_batch_size,
+            cfg.grad_accum_for(rt.world_size),
+            replicas,
+            cfg.train.seed,
+        )
     if plan.steps_per_epoch < 1:
         raise UserError(
-            f"{cfg.data.train_file}: {len(train_blocks)} blocks of {cfg.data.block_size} tokens "
-            f"are fewer than one global batch ({plan.global_batch})"
+            f"{cfg.data.train_file}: {sum(len(b) for b in sources)} blocks of "
+            f"{cfg.data.block_size} tokens are fewer than one global batch ({plan.global_batch})"
         )
     steps = total_steps(cfg, plan.steps_per_epoch)
     scheduler = build_scheduler(cfg, strategy.optimizer, steps)
-    eval_blocks = (
-        PackedBlocks(TokenCache(Path(prep.eval_cache)), cfg.data.block_size)
-        if prep.eval_cache
-        else None
-    )
+    eval_sets = {
+        s.name or "data": PackedBlocks(TokenCache(Path(c)), cfg.data.block_size, documents)
+        for s, c in zip(cfg.data.sources("eval"), prep.eval_list(), strict=True)
+    }
 
     ts = TrainState()
     manager = CheckpointManager(
@@ -254,7 +316,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     if rt.rank == 0:
         log.info(
             "training %s: %d params, steps %d→%d of %d, global batch %d × %d tokens, "
-            "%d workers, strategy %s, adapter %s",
+            "%d workers, strategy %s, adapter %s, %s attention",
             cfg.run.name,
             n_params,
             start,
@@ -265,12 +327,17 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
             rt.world_size,
             strategy.name,
             cfg.model.adapter,
+            attention,
         )
 
     peak = peak_flops(
         torch.cuda.get_device_name(device) if device.type == "cuda" else None, cfg.train.precision
     )
-    batches = StepBatches(train_blocks, plan, replica)
+    batches: StepBatches | MixedBatches
+    if isinstance(plan, MixPlan):
+        batches = MixedBatches(sources, plan, replica)
+    else:
+        batches = StepBatches(train_blocks, plan, replica)
     last: dict[str, Any] = {}
     strategy.model.train()
     window_start, window_tokens = time.perf_counter(), 0
@@ -283,11 +350,12 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
             per_rank = _targets_per_rank(micro, device, rt.world_size)
         loss_acc = torch.zeros((), device=device)
         with stats.phase("fwd_bwd"):
-            for m, (ids, labels) in enumerate(micro):
+            for m, (ids, labels, *segs) in enumerate(micro):
                 x = torch.from_numpy(ids).to(device, non_blocking=True)
                 y = torch.from_numpy(labels).to(device, non_blocking=True)
+                extra = _attention(segs, cfg, device)
                 with strategy.accumulating(m == len(micro) - 1):
-                    loss_acc += strategy.train_micro(x, y, per_rank)
+                    loss_acc += strategy.train_micro(x, y, per_rank, **extra)
         with stats.phase("optim"):
             lr = scheduler.get_last_lr()[0]
             grad_norm = strategy.step()
@@ -337,11 +405,12 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
             "tokens_seen": ts.tokens_seen,
             "mfu": mfu(n_params, tps / rt.world_size, peak),
         }
-        if eval_blocks is not None and (
-            is_last or (cfg.train.eval_every and done % cfg.train.eval_every == 0)
-        ):
+        if isinstance(plan, MixPlan):
+            seen = plan.counts_before(done) * cfg.data.block_size
+            metrics.update({f"tokens_seen/{n}": int(t) for n, t in zip(names, seen, strict=True)})
+        if eval_sets and (is_last or (cfg.train.eval_every and done % cfg.train.eval_every == 0)):
             with stats.phase("eval"):
-                metrics.update(evaluate(strategy, eval_blocks, cfg, rt, device))
+                metrics.update(evaluate_all(strategy, eval_sets, cfg, rt, device))
         metrics.update(stats.gather())  # collective: per-worker memory and step phases
         last = metrics
         if metrics_file is not None:

@@ -120,9 +120,11 @@ def run_all(cfg: JobConfig, strict: bool = True) -> Report:
 
         if _local_or_note(cfg.model.special_tokens, "model.special_tokens", strict, report):
             load_special_tokens(cfg.model.special_tokens)
-    check_data_file(cfg.data.train_file, "data.train_file", strict, cfg.data.on_bad_line, report)
-    if cfg.data.eval_file:
-        check_data_file(cfg.data.eval_file, "data.eval_file", strict, cfg.data.on_bad_line, report)
+    for which in ("train", "eval"):
+        for src in cfg.data.sources(which):
+            value = cfg.data.train_file if which == "train" else cfg.data.eval_file
+            what = f"data.{which}_file" + (f" ({src.name})" if isinstance(value, list) else "")
+            check_data_file(src.path, what, strict, cfg.data.on_bad_line, report)
     check_strategy(cfg, strict, report)
     check_storage(cfg, report)
     check_tracking(cfg, strict, report)

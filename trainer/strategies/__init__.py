@@ -53,15 +53,17 @@ class Strategy(Protocol):
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
-    def train_micro(self, x: torch.Tensor, y: torch.Tensor, num_items: Any) -> torch.Tensor:
+    def train_micro(
+        self, x: torch.Tensor, y: torch.Tensor, num_items: Any, **attention: Any
+    ) -> torch.Tensor:
         """Forward and backward of one micro batch (under `accumulating`); its loss, a
         token sum over `num_items`, detached, the same on every rank of a model replica.
         A pipelined strategy runs its whole schedule here."""
 
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, **attention: Any) -> float:
         """Mean loss over the batch's target tokens (inside `evaluating()`)."""
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, **attention: Any) -> torch.Tensor:
         """Logits for `x` on every rank (inside `evaluating()`)."""
 
     def step(self) -> float:

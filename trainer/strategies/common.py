@@ -94,24 +94,27 @@ class ModelCalls:
     def backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def train_micro(self, x: torch.Tensor, y: torch.Tensor, num_items: Any) -> torch.Tensor:
+    def train_micro(
+        self, x: torch.Tensor, y: torch.Tensor, num_items: Any, **attention: Any
+    ) -> torch.Tensor:
         """Forward and backward of one micro batch; its loss (a token sum over
         `num_items`), detached. Only the loss is kept: holding the output would keep its
-        logits (a vocab-sized row per token) alive through the backward pass."""
+        logits (a vocab-sized row per token) alive through the backward pass. `attention`
+        is trainer.packing's (a block-causal mask and restarted positions), or nothing."""
         with self.precision():
-            loss = self.model(input_ids=x, labels=y, num_items_in_batch=num_items).loss
+            loss = self.model(input_ids=x, labels=y, num_items_in_batch=num_items, **attention).loss
         self.backward(loss)
         return loss.detach()
 
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, **attention: Any) -> float:
         """Mean loss over the batch's targets (call inside `evaluating()`)."""
         with self.precision():
-            return float(self.model(input_ids=x, labels=y).loss)
+            return float(self.model(input_ids=x, labels=y, **attention).loss)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, **attention: Any) -> torch.Tensor:
         """The model's logits for `x`, on every rank (call inside `evaluating()`)."""
         with self.precision():
-            return self.model(input_ids=x).logits
+            return self.model(input_ids=x, **attention).logits
 
 
 class Evaluating:

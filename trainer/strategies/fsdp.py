@@ -244,9 +244,12 @@ class FSDPStrategy(ModelCalls):
             return h
         return None
 
-    def train_micro(self, x: torch.Tensor, y: torch.Tensor, num_items: Any) -> torch.Tensor:
+    def train_micro(
+        self, x: torch.Tensor, y: torch.Tensor, num_items: Any, **attention: Any
+    ) -> torch.Tensor:
         if self.pp == 1:
-            return super().train_micro(x, y, num_items)
+            return super().train_micro(x, y, num_items, **attention)
+        _causal_only(attention)
         self._divisor = torch.as_tensor(num_items, device=self.device, dtype=torch.float32)
         return self._pipeline(x, y, train=True)[1]
 
@@ -261,17 +264,19 @@ class FSDPStrategy(ModelCalls):
         yp[: y.shape[0], : y.shape[1]] = y
         return xp, yp
 
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, **attention: Any) -> float:
         if self.pp == 1:
-            return super().eval_loss(x, y)
+            return super().eval_loss(x, y, **attention)
+        _causal_only(attention)
         n = int((y[:, 1:] != IGNORE).sum())
         self._divisor = torch.ones((), device=self.device)
         _, total = self._pipeline(*self._fixed_shape(x, y), train=False)
         return float(total) / max(n, 1)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, **attention: Any) -> torch.Tensor:
         if self.pp == 1:
-            return super().logits(x)
+            return super().logits(x, **attention)
+        _causal_only(attention)
         xp, yp = self._fixed_shape(x, torch.full_like(x, IGNORE))
         self._divisor = torch.ones((), device=self.device)
         out, _ = self._pipeline(xp, yp, train=False)
@@ -547,3 +552,10 @@ def _tied_keys(model: Any) -> list[str]:
     if not getattr(model.config, "tie_word_embeddings", False):
         return []
     return list(keys)
+
+
+def _causal_only(attention: dict[str, Any]) -> None:
+    """Pipeline stages build their own causal mask; the config refuses document attention
+    with pp > 1, so a mask arriving here is a bug, not a setting to ignore."""
+    if attention:
+        raise RuntimeError("document attention reached a pipelined model (pp > 1)")
