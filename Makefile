@@ -34,7 +34,7 @@ test: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
 	RAYLIFT_BENCH_SMOKE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile \
-		$(TEST_PATHS) $(PYTEST_ARGS)
+		$(TEST_PATHS) --durations=30 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .
