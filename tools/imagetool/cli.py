@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     for command, help_text in (
         ("build", "build the images in dependency order"),
         ("plan", "print the build plan (order, tags, args); needs no engine"),
+        ("check", "build as far as this machine can, say where it stopped, import-check"),
     ):
         p = sub.add_parser(command, parents=[_global_options(False)], help=help_text)
         _add_selection(p)
@@ -78,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--build-arg", action="append", default=[], metavar="[NAME:]K=V",
                        help="override a build arg, for all images or one image/layer")  # fmt: skip
         _add_sources(p)
+        if command == "check":
+            p.add_argument("--engine", choices=("auto", "docker", "buildah"))
+            p.add_argument("--ca-bundle", type=Path)
+            p.add_argument("--wheelhouse", type=Path)
         if command == "build":
             p.add_argument("--dry-run", action="store_true", help="print the plan, build nothing")
             p.add_argument("--engine", choices=("auto", "docker", "buildah"),
@@ -187,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
         seconds = run_build(plan, REPO_ROOT, client, engine=engine, settings=settings)
         _write_sizes(plan, engine, out, seconds)
         return 0
+    if args.command == "check":
+        return run_check(_plan_from_args(args, graph, args.registry), args, out)
     if args.command == "push":
         registry = resolve_registry(args.registry)
         if not registry:
@@ -241,6 +248,63 @@ def run(args: argparse.Namespace) -> int:
             out.write(f"wrote {path.relative_to(REPO_ROOT)}\n")
         return 0
     raise AssertionError(args.command)
+
+
+# Imports every module of the trainer package and bitsandbytes (where installed): what a node
+# would do at the first step, without a GPU (bitsandbytes then warns, but must import).
+IMPORT_CHECK = """
+import importlib, importlib.util, pkgutil, trainer
+names = [m.name for m in pkgutil.walk_packages(trainer.__path__, "trainer.")]
+for name in names:
+    importlib.import_module(name)
+extra = [n for n in ("bitsandbytes", "deepspeed") if importlib.util.find_spec(n)]
+for name in extra:
+    importlib.import_module(name)
+print(f"imported {len(names)} trainer modules and {', '.join(extra)}")
+"""
+
+
+def run_check(plan: Plan, args: argparse.Namespace, out: TextIO) -> int:
+    """Build image by image until one fails; report what built, where it stopped, and
+    import-check the last image that has the trainer in it."""
+    from tools.imagetool.errors import BuildFailed
+
+    settings = BuildSettings.from_env(args.ca_bundle)
+    engine, why = select_engine(args.engine)
+    out.write(f"engine: {engine.name} ({why})\n")
+    stage_wheelhouse(REPO_ROOT, args.wheelhouse)
+    client = docker_client() if isinstance(engine, DockerEngine) else EngineImages(engine)
+    built: list[str] = []
+    failed = None
+    for image in plan.images:
+        one = Plan(images=(image,), version=plan.version, git=plan.git, registry=plan.registry)
+        try:
+            seconds = run_build(one, REPO_ROOT, client, engine=engine, settings=settings)
+        except BuildFailed as exc:
+            failed = f"{image.name}: {exc}"
+            break
+        built.append(image.name)
+        size = human_bytes(engine.size(image.ref))
+        out.write(f"built: {image.name} {size} in {seconds[image.name]:.0f} s\n")
+    if failed:
+        out.write(f"stopped: {failed}\n")
+        rest = [i.name for i in plan.images if i.name not in built][1:]
+        if rest:
+            out.write(f"not attempted: {', '.join(rest)}\n")
+    trainer_images = [i for i in plan.images if i.name in built and i.layer == "trainer"]
+    if trainer_images:
+        import subprocess
+
+        cmd, cleanup = engine.run_command(trainer_images[-1].ref, ["python", "-c", IMPORT_CHECK])
+        try:
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        finally:
+            cleanup()
+        last = result.stdout.strip().splitlines() or result.stderr.strip().splitlines() or [""]
+        out.write(f"import check in {trainer_images[-1].name}: {last[-1]}\n")
+        if result.returncode != 0:
+            return 1
+    return 1 if failed else 0
 
 
 def human_bytes(n: int) -> str:

@@ -158,6 +158,19 @@ class Engine:
         """Pull `ref` (a digest reference, usually) and return the pulled image's id."""
         raise NotImplementedError
 
+    def run_command(
+        self,
+        ref: str,
+        argv: Sequence[str],
+        *,
+        user: str = "1000:1000",
+        volumes: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> tuple[list[str], Callable[[], None]]:
+        """The command line that runs `argv` in a new container of `ref` on the host network
+        (no entrypoint: pass it in `argv`), and how to remove that container afterwards."""
+        raise NotImplementedError
+
     def remove(self, ref: str) -> None:
         raise NotImplementedError
 
@@ -216,6 +229,14 @@ class DockerEngine(Engine):
     def pull(self, ref: str) -> str:
         run_text(["docker", "pull", "--quiet", ref], timeout=3600)
         return self.image_id(ref)
+
+    def run_command(self, ref, argv, *, user="1000:1000", volumes=(), env=None):
+        cmd = ["docker", "run", "--rm", "--network", "host", "--user", user, "--entrypoint", ""]
+        for volume in volumes:
+            cmd += ["--volume", volume]
+        for key, value in (env or {}).items():
+            cmd += ["--env", f"{key}={value}"]
+        return [*cmd, ref, *argv], lambda: None
 
     def remove(self, ref: str) -> None:
         subprocess.run(["docker", "image", "rm", "--force", ref], capture_output=True)
@@ -297,6 +318,24 @@ class BuildahEngine(Engine):
             cmd.append("--tls-verify=false")
         out = run_text([*cmd, ref], timeout=3600).strip().splitlines()
         return "sha256:" + out[-1].removeprefix("sha256:")
+
+    def run_command(self, ref, argv, *, user="1000:1000", volumes=(), env=None):
+        # `buildah run` with chroot isolation on the host network: what works on machines
+        # where podman's runtime may not set rlimits (see images/README.md).
+        container = run_text(["buildah", "from", "--pull-never", ref]).strip().splitlines()[-1]
+        if env:
+            config = ["buildah", "config"]
+            for key, value in env.items():
+                config += ["--env", f"{key}={value}"]
+            run_text([*config, container])
+        cmd = ["buildah", "run", "--isolation", "chroot", "--network", "host", "--user", user]
+        for volume in volumes:
+            cmd += ["--volume", volume]
+        return [*cmd, container, "--", *argv], lambda: self._rm(container)
+
+    @staticmethod
+    def _rm(container: str) -> None:
+        subprocess.run(["buildah", "rm", container], capture_output=True)
 
     def remove(self, ref: str) -> None:
         subprocess.run(["buildah", "rmi", "--force", ref], capture_output=True)

