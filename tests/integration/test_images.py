@@ -21,6 +21,7 @@ import secrets
 import shutil
 import socket
 import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
@@ -267,3 +268,191 @@ def test_build_cli_names_the_engine_and_refuses_a_missing_wheelhouse(tmp_path, c
     assert code == 2
     assert "--wheelhouse" in err.err and "not a folder" in err.err
     assert err.out.startswith("engine: ")
+
+
+# ---- RAYLIFT_IMAGE_TESTS=full: the real CPU chain, built from images/ and run
+
+
+def torch_cpu_wheelhouse(tmp: Path) -> Path:
+    """A folder holding torch's CPU wheel: the one pip's find-links already has, or a
+    `pip download` of it (PyPI's torch is the CUDA build, so this is the +cpu one at hand)."""
+    for folder in filter(None, os.environ.get("PIP_FIND_LINKS", "").split()):
+        if list(Path(folder).glob("torch-2.13.0+cpu-*.whl")):
+            return Path(folder)
+    made = REPO_ROOT / "build" / "torch-cpu-wheels"
+    if not list(made.glob("torch-*.whl")):
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(made),
+             "torch==2.13.0"],
+            check=True,
+        )  # fmt: skip
+    return made
+
+
+@pytest.fixture(scope="module")
+def cpu_chain(engine, os_image, tmp_path_factory):
+    if not FULL:
+        pytest.skip("the real CPU chain (~2 GB, minutes warm): set RAYLIFT_IMAGE_TESTS=full")
+    graph = tool.load_graph(tool.DEFAULT_GRAPH, REPO_ROOT)
+    plan = tool.make_plan(
+        graph,
+        version="test",
+        git=tool.git_info(REPO_ROOT),
+        variant="cpu",
+        build_args=[f"base:OS_IMAGE={os_image}", "base:TORCH_INDEX_URL="],
+    )
+    engines.stage_wheelhouse(REPO_ROOT, torch_cpu_wheelhouse(tmp_path_factory.mktemp("w")))
+    client = tool.build.EngineImages(engine)
+    started = time.monotonic()
+    seconds = tool.run_build(plan, REPO_ROOT, client, engine=engine,
+                             settings=engines.BuildSettings.from_env())  # fmt: skip
+    sizes = {i.name: engine.size(i.ref) / 1e9 for i in plan.images}
+    print(f"cpu chain built in {time.monotonic() - started:.0f} s: {seconds}, GB {sizes}")
+    return plan.images[-1].ref
+
+
+def run_in(engine, ref: str, argv: list[str], **kw) -> subprocess.CompletedProcess[str]:
+    cmd, cleanup = engine.run_command(ref, argv, **kw)
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    finally:
+        cleanup()
+
+
+ENTRY = ["/usr/bin/tini", "-s", "--", "/usr/local/bin/raylift-entrypoint"]
+
+
+def test_cpu_image_runs_the_trainer_as_uid_1000_with_cpu_adam_prebuilt(engine, cpu_chain):
+    out = run_in(engine, cpu_chain, [*ENTRY, "--help"])
+    assert out.returncode == 0 and "usage" in out.stdout.lower(), out.stderr[-2000:]
+    ids = run_in(engine, cpu_chain, ["id", "-u"])
+    assert ids.stdout.strip() == "1000"
+    # The op loads from the wheel: no compiler in the image, so a JIT build would fail.
+    probe = (
+        "import shutil; assert shutil.which('g++') is None and shutil.which('c++') is None; "
+        "from deepspeed.ops.op_builder import CPUAdamBuilder; "
+        "print('cpu_adam', CPUAdamBuilder().load().__name__)"
+    )
+    op = run_in(engine, cpu_chain, ["python", "-c", probe])
+    assert op.returncode == 0 and "cpu_adam" in op.stdout, op.stderr[-2000:]
+    health = run_in(engine, cpu_chain, ["/usr/local/bin/raylift-healthcheck"])
+    assert health.returncode == 0
+
+
+def _answers(url: str, token: str) -> bool:
+    import urllib.request
+
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _alive_nodes(url: str, token: str) -> int:
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"{url}/nodes?view=summary", headers={"Authorization": f"Bearer {token}"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            summary = json.load(response)["data"]["summary"]
+    except (OSError, KeyError, ValueError):
+        return 0
+    return sum(1 for node in summary if node.get("raylet", {}).get("state") == "ALIVE")
+
+
+def _wait(what: str, ready, procs, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        dead = [p for p in procs if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            logs = "\n".join(Path(p.args_log).read_text()[-3000:] for p in procs)
+            raise AssertionError(f"{what}: not ready ({'exited' if dead else 'timeout'})\n{logs}")
+        time.sleep(0.5)
+
+
+def test_two_containers_run_a_cluster_and_the_demo_job(engine, cpu_chain, tmp_path: Path):
+    """Head and worker containers on the host network, token auth, a uid-1000 shared folder
+    at the same path in both, the node agent on the worker against a loopback IMDSv2 stub;
+    then doctor and the demo job through the Jobs API, as against a real cluster."""
+    from tests.imds import FakeImds
+    from tools import submit, tiny
+    from trainer.config import load_config
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    token = secrets.token_hex(16)
+    (shared / "token").write_text(token)
+    assets = shared / "assets"
+    tiny.build_all(assets, rows=400)
+    for path in [shared, *shared.rglob("*")]:
+        os.chown(path, 1000, 1000)
+    gcs, dash, client_port, agent, agent2 = (free_port() for _ in range(5))
+    url = f"http://127.0.0.1:{dash}"
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(shared / "token")}
+    imds = FakeImds().start()
+    head_cmd = [*ENTRY, "ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+                f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                f"--ray-client-server-port={client_port}", f"--dashboard-agent-listen-port={agent}",
+                "--num-cpus=2", "--labels=large_cpu_mem=true"]  # fmt: skip
+    worker_cmd = [*ENTRY, "ray", "start", "--block", f"--address=127.0.0.1:{gcs}",
+                  "--node-ip-address=127.0.0.1", f"--dashboard-agent-listen-port={agent2}",
+                  "--num-cpus=2"]  # fmt: skip
+    worker_env = {**env, "RAYLIFT_ROLE": "worker", "RAYLIFT_IMDS_ENDPOINT": imds.endpoint,
+                  "RAYLIFT_INSTANCE_ID": imds.instance_id}  # fmt: skip
+    procs, cleanups = [], []
+    try:
+        for name, cmd, e in (("head", head_cmd, env), ("worker", worker_cmd, worker_env)):
+            argv, cleanup = engine.run_command(
+                cpu_chain, cmd, volumes=[f"{shared}:{shared}"], env=e
+            )
+            cleanups.append(cleanup)
+            log = tmp_path / f"{name}.log"
+            proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
+            proc.args_log = str(log)
+            procs.append(proc)
+            if name == "head":
+                _wait("the head's Jobs API", lambda: _answers(f"{url}/api/version", token), procs)
+        _wait("two alive nodes", lambda: _alive_nodes(url, token) == 2, procs)
+        # The agent polls the stub with an IMDSv2 session token.
+        _wait("the node agent", lambda: any(r.path.startswith("/latest/meta-data")
+                                            for r in imds.requests), procs)  # fmt: skip
+        # Every Ray process of both containers runs as uid 1000.
+        ps = subprocess.run(["ps", "-eo", "uid=,args="], capture_output=True, text=True).stdout
+        ray_uids = {line.split()[0] for line in ps.splitlines() if f"127.0.0.1:{gcs}" in line}
+        assert ray_uids == {"1000"}, ps
+
+        os.environ["RAY_AUTH_TOKEN"] = token
+        rc = submit.main(["doctor", "--address", url, "--shared", str(shared)])
+        assert rc == 0
+
+        job = shared / "job.yaml"
+        job.write_text(
+            __import__("tools.demo", fromlist=["JOB"])
+            .JOB.format(assets=assets, out=shared, name="image-demo")
+            .replace("epochs: 1", "max_steps: 30\n  epochs: 1")
+        )
+        os.chown(job, 1000, 1000)
+        cfg = load_config(job)
+        client, job_id = submit.submit(cfg, url, token=token, local=False)
+        status, summary = submit.follow(client, job_id, progress=False)
+        assert status == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]
+        run_dir = shared / "runs" / "image-demo"
+        assert sorted(p.name for p in run_dir.glob("step_*"))
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_pretrained(Path(summary["export"]) / "model")
+    finally:
+        os.environ.pop("RAY_AUTH_TOKEN", None)
+        for proc in reversed(procs):
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for cleanup in cleanups:
+            cleanup()
+        imds.stop()
