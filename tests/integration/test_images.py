@@ -301,11 +301,11 @@ def cpu_chain(engine, os_image, tmp_path_factory):
         variant="cpu",
         build_args=[f"base:OS_IMAGE={os_image}", "base:TORCH_INDEX_URL="],
     )
-    engines.stage_wheelhouse(REPO_ROOT, torch_cpu_wheelhouse(tmp_path_factory.mktemp("w")))
     client = tool.build.EngineImages(engine)
     started = time.monotonic()
-    seconds = tool.run_build(plan, REPO_ROOT, client, engine=engine,
-                             settings=engines.BuildSettings.from_env())  # fmt: skip
+    with engines.staged_wheelhouse(REPO_ROOT, torch_cpu_wheelhouse(tmp_path_factory.mktemp("w"))):
+        seconds = tool.run_build(plan, REPO_ROOT, client, engine=engine,
+                                 settings=engines.BuildSettings.from_env())  # fmt: skip
     sizes = {i.name: engine.size(i.ref) / 1e9 for i in plan.images}
     print(f"cpu chain built in {time.monotonic() - started:.0f} s: {seconds}, GB {sizes}")
     return plan.images[-1].ref

@@ -17,7 +17,7 @@ from tools.imagetool.engine import (
     DockerEngine,
     Engine,
     select_engine,
-    stage_wheelhouse,
+    staged_wheelhouse,
 )
 from tools.imagetool.errors import UserError
 from tools.imagetool.graph import DEFAULT_GRAPH, REPO_ROOT, Graph, build_order, load_graph
@@ -187,9 +187,9 @@ def run(args: argparse.Namespace) -> int:
         engine, why = select_engine(args.engine)
         log.info("engine: %s %s (%s)", engine.name, engine.version(), why)
         out.write(f"engine: {engine.name}\n")
-        stage_wheelhouse(REPO_ROOT, args.wheelhouse)
         client = docker_client() if isinstance(engine, DockerEngine) else EngineImages(engine)
-        seconds = run_build(plan, REPO_ROOT, client, engine=engine, settings=settings)
+        with staged_wheelhouse(REPO_ROOT, args.wheelhouse):
+            seconds = run_build(plan, REPO_ROOT, client, engine=engine, settings=settings)
         _write_sizes(plan, engine, out, seconds)
         return 0
     if args.command == "check":
@@ -272,14 +272,14 @@ def run_check(plan: Plan, args: argparse.Namespace, out: TextIO) -> int:
     settings = BuildSettings.from_env(args.ca_bundle)
     engine, why = select_engine(args.engine)
     out.write(f"engine: {engine.name} ({why})\n")
-    stage_wheelhouse(REPO_ROOT, args.wheelhouse)
     client = docker_client() if isinstance(engine, DockerEngine) else EngineImages(engine)
     built: list[str] = []
     failed = None
     for image in plan.images:
         one = Plan(images=(image,), version=plan.version, git=plan.git, registry=plan.registry)
         try:
-            seconds = run_build(one, REPO_ROOT, client, engine=engine, settings=settings)
+            with staged_wheelhouse(REPO_ROOT, args.wheelhouse):
+                seconds = run_build(one, REPO_ROOT, client, engine=engine, settings=settings)
         except BuildFailed as exc:
             failed = f"{image.name}: {exc}"
             break

@@ -16,13 +16,15 @@ or, with buildah, through its `--http-proxy` pass-through of the caller's enviro
 from __future__ import annotations
 
 import base64
+import contextlib
+import fcntl
 import json
 import os
 import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,6 +88,22 @@ class BuildSettings:
             ca_bundle=ca_bundle or default_ca_bundle(env),
             proxies={k: env[k] for k in PROXY_ARGS if env.get(k)},
         )
+
+
+@contextlib.contextmanager
+def staged_wheelhouse(root: Path, wheelhouse: Path | None) -> Iterator[Path]:
+    """stage_wheelhouse for the length of one build, holding a lock on the folder: a second
+    build in the same checkout would swap the wheels under the first one's RUNs."""
+    target = root / WHEELHOUSE_DIR
+    target.mkdir(parents=True, exist_ok=True)
+    with (target.parent / ".wheelhouse.lock").open("w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(
+                f"another build in this checkout is using {target}: wait for it to finish"
+            ) from None
+        yield stage_wheelhouse(root, wheelhouse)
 
 
 def stage_wheelhouse(root: Path, wheelhouse: Path | None) -> Path:
