@@ -392,7 +392,11 @@ def test_two_containers_run_a_cluster_and_the_demo_job(engine, cpu_chain, tmp_pa
         os.chown(path, 1000, 1000)
     gcs, dash, client_port, agent, agent2 = (free_port() for _ in range(5))
     url = f"http://127.0.0.1:{dash}"
-    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(shared / "token")}
+    # `ray start` advertises the machine's own address in place of 127.0.0.1 (it refuses
+    # worker nodes otherwise); on the host network that address routes over `lo` too.
+    # The dashboard and Jobs API bind 127.0.0.1; gloo's sockets are pinned to `lo`.
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(shared / "token"),
+           "GLOO_SOCKET_IFNAME": "lo"}  # fmt: skip
     imds = FakeImds().start()
     head_cmd = [*ENTRY, "ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
                 f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
@@ -422,7 +426,11 @@ def test_two_containers_run_a_cluster_and_the_demo_job(engine, cpu_chain, tmp_pa
                                             for r in imds.requests), procs)  # fmt: skip
         # Every Ray process of both containers runs as uid 1000.
         ps = subprocess.run(["ps", "-eo", "uid=,args="], capture_output=True, text=True).stdout
-        ray_uids = {line.split()[0] for line in ps.splitlines() if f"127.0.0.1:{gcs}" in line}
+        ray_uids = {
+            uid
+            for uid, _, args in (line.strip().partition(" ") for line in ps.splitlines())
+            if f":{gcs}" in args and not args.startswith("buildah")  # the host's launcher
+        }
         assert ray_uids == {"1000"}, ps
 
         os.environ["RAY_AUTH_TOKEN"] = token
