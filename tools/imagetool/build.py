@@ -90,7 +90,7 @@ def subprocess_lines(cmd: Sequence[str], env: Mapping[str, str]) -> Iterator[str
 STEP_RE = re.compile(r"^#(?P<id>\d+) \[(?P<step>[^\]]+)\] (?P<what>.*)$")
 STEP_ERROR_RE = re.compile(r"^#(?P<id>\d+) ERROR: ")
 SOLVE_ERROR_PREFIX = "ERROR: failed to solve: "
-BUILDAH_STEP_RE = re.compile(r"^STEP (?P<step>\d+/\d+): (?P<what>.*)$")
+BUILDAH_STEP_RE = re.compile(r"^(?:\[\d+/\d+\] )?STEP (?P<step>\d+/\d+): (?P<what>.*)$")
 BUILDAH_ERROR_RE = re.compile(r"^(?:Error|error building at STEP) ?(?P<what>.*)$")
 
 

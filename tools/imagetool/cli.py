@@ -149,7 +149,8 @@ def source_build_args(args: argparse.Namespace) -> list[str]:
             continue
         if re.match(r"^[a-z+]+://[^/@]+@", value):
             raise UserError(
-                f"{flag} {value.split('@')[0]}@...: the URL holds credentials, which would be "
+                f"{flag} {re.sub(r'//[^/@]+@', '//***@', value)}: the URL holds credentials, "
+                "which would be "
                 "recorded in the image history; use a mirror that needs none here"
             )
         out.append(f"{arg}={value}")
