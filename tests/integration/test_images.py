@@ -293,6 +293,8 @@ def torch_cpu_wheelhouse(tmp: Path) -> Path:
 def cpu_chain(engine, os_image, tmp_path_factory):
     if not FULL:
         pytest.skip("the real CPU chain (~2 GB, minutes warm): set RAYLIFT_IMAGE_TESTS=full")
+    if os.environ.get("RAYLIFT_IMAGE_REF"):  # a trainer-cpu built already (make image-local)
+        return os.environ["RAYLIFT_IMAGE_REF"]
     graph = tool.load_graph(tool.DEFAULT_GRAPH, REPO_ROOT)
     plan = tool.make_plan(
         graph,
