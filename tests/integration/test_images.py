@@ -14,11 +14,13 @@ it: the entrypoint, Ray as uid 1000, the trainer CLI, DeepSpeed's prebuilt cpu_a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -366,6 +368,21 @@ def _alive_nodes(url: str, token: str) -> int:
     return sum(1 for node in summary if node.get("raylet", {}).get("state") == "ALIVE")
 
 
+def _descendants(root: int) -> list[int]:
+    """Every process below `root` (read from /proc), so a test ends exactly what it started."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def _wait(what: str, ready, procs, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
@@ -457,12 +474,22 @@ def test_two_containers_run_a_cluster_and_the_demo_job(engine, cpu_chain, tmp_pa
         AutoModelForCausalLM.from_pretrained(Path(summary["export"]) / "model")
     finally:
         os.environ.pop("RAY_AUTH_TOKEN", None)
+        # `buildah run` does not pass SIGTERM on to the container: signal the container's own
+        # processes (tini forwards it to `ray start --block`, which stops Ray), then make
+        # sure nothing of ours is left.
         for proc in reversed(procs):
+            tree = _descendants(proc.pid)
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
             proc.terminate()
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+            for pid in _descendants(proc.pid) + tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         for cleanup in cleanups:
             cleanup()
         imds.stop()
