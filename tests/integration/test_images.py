@@ -63,14 +63,15 @@ images:
     lock: child/requirements.lock
 """
 
-# The secret is readable while the RUN runs (its hash is recorded), and gone afterwards.
+# The secret is readable while the RUN runs (its hash is recorded), and gone afterwards. The
+# nonce keeps the RUN out of the layer cache: a secret's content is no part of a cache key.
 PARENT = """\
 # syntax=docker/dockerfile:1
 ARG OS_IMAGE=missing
 FROM ${OS_IMAGE}
 ARG LOCK_FILE
 RUN --mount=type=secret,id=ca,target=/run/secrets/ca \\
-    sha256sum /run/secrets/ca | cut -d' ' -f1 > /ca-seen.sha256{bake}
+    : {nonce} && sha256sum /run/secrets/ca | cut -d' ' -f1 > /ca-seen.sha256{bake}
 COPY ${LOCK_FILE} /parent.lock
 ARG VERSION=dev
 ARG VCS_REF=unknown
@@ -122,7 +123,8 @@ def tiny_context(root: Path, os_image: str, bake: bool = False) -> tool.Graph:
     for name, text in (("parent", PARENT), ("child", CHILD)):
         (root / name).mkdir(parents=True, exist_ok=True)
         extra = " && cp /run/secrets/ca /baked-ca.pem" if bake and name == "parent" else ""
-        (root / name / "Dockerfile").write_text(text.replace("{bake}", extra))
+        text = text.replace("{bake}", extra).replace("{nonce}", secrets.token_hex(8))
+        (root / name / "Dockerfile").write_text(text)
         (root / name / "requirements.in").write_text("")
         (root / name / "requirements.lock").write_text(f"# {name} {root.name}\n")
     (root / "graph.yaml").write_text(GRAPH.format(os_image=os_image))
