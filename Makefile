@@ -16,7 +16,7 @@ TEST_WORKERS ?= 2
 # that no longer runs fails CI; its targets are judged only by make bench.
 TEST_PATHS ?= tests/unit tests/integration tests/bench
 
-.PHONY: setup demo test lint format bench gpu-check image push clean
+.PHONY: setup demo test lint format bench gpu-check image push image-local image-check clean
 
 setup: $(STAMP)
 
@@ -53,11 +53,31 @@ bench: $(STAMP)
 gpu-check: $(STAMP)
 	$(BIN)/python tools/gpucheck.py $(GPUCHECK_ARGS)
 
+# Engine: Docker BuildKit where one answers, buildah otherwise (RAYLIFT_IMAGE_ENGINE picks);
+# the first line of output names it. images/README.md has the settings (IMAGE_ARGS).
 image: $(STAMP)
 	$(BIN)/python tools/image.py build $(IMAGE_ARGS)
 
 push: $(STAMP)
 	$(BIN)/python tools/image.py push $(IMAGE_ARGS)
+
+# What a machine that reaches only PyPI and Debian can build: a Debian 12 OS image made with
+# mmdebstrap, torch's CPU wheel from a local wheelhouse (PyPI's torch is the CUDA build).
+LOCAL_OS_IMAGE ?= localhost/debian:bookworm-slim
+WHEELHOUSE ?= build/torch-cpu-wheels
+LOCAL_IMAGE_ARGS = --os-image $(LOCAL_OS_IMAGE) --torch-index-url '' --wheelhouse $(WHEELHOUSE)
+$(WHEELHOUSE):
+	$(BIN)/python -m pip download --quiet --no-deps -d $(WHEELHOUSE) $(TORCH)
+
+image-local: $(STAMP) | $(WHEELHOUSE)
+	$(BIN)/python tools/image.py os-image --tag $(LOCAL_OS_IMAGE)
+	$(BIN)/python tools/image.py build --variant cpu $(LOCAL_IMAGE_ARGS) $(IMAGE_ARGS)
+
+# The GPU chain, built here as far as it goes (about 3 GB of CUDA wheels; not in CI), then
+# every trainer module and bitsandbytes imported inside the result.
+image-check: $(STAMP) | $(WHEELHOUSE)
+	$(BIN)/python tools/image.py os-image --tag $(LOCAL_OS_IMAGE)
+	$(BIN)/python tools/image.py check --variant gpu --os-image $(LOCAL_OS_IMAGE) $(IMAGE_ARGS)
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache

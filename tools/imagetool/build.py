@@ -1,9 +1,8 @@
-"""Building: one `docker build` (BuildKit) per image of a plan, in order, with progress.
+"""Building: one engine build per image of a plan, in order, with progress.
 
-Why `docker build` and not the SDK for this step: the Docker SDK's build endpoint drives the
-legacy builder, which rejects `RUN --mount` (pip cache mounts, bind mounts from other stages);
-BuildKit is only reachable through the CLI (docker/docker-py#2230). The engine check and the
-image lookups use the SDK.
+The engine (tools/imagetool/engine.py) is Docker BuildKit or buildah; both report their steps
+line by line, which is all this module reads. Why the CLI and not the Docker SDK: the SDK's
+build endpoint drives the legacy builder, which rejects `RUN --mount` (docker/docker-py#2230).
 """
 
 from __future__ import annotations
@@ -13,11 +12,13 @@ import logging
 import os
 import re
 import subprocess
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from tools.imagetool.console import stderr_console
+from tools.imagetool.engine import BuildSettings, DockerEngine, Engine
 from tools.imagetool.errors import BuildFailed, EngineUnavailable, UserError
 from tools.imagetool.plan import ImageBuild, Plan
 
@@ -60,15 +61,11 @@ def ensure_buildx(
         )
 
 
-def build_command(image: ImageBuild, root: Path) -> list[str]:
+def build_command(
+    image: ImageBuild, root: Path, settings: BuildSettings | None = None
+) -> list[str]:
     """The `docker build` command line for one image (BuildKit, plain progress for parsing)."""
-    cmd = ["docker", "build", "--progress=plain", "--file", str(root / image.dockerfile)]
-    for ref in image.refs:
-        cmd += ["--tag", ref]
-    for key, value in image.build_args.items():
-        cmd += ["--build-arg", f"{key}={value}"]
-    cmd.append(str((root / image.context).resolve()))
-    return cmd
+    return DockerEngine().build_command(image, root, settings or BuildSettings())
 
 
 class LineRunner(Protocol):
@@ -93,6 +90,8 @@ def subprocess_lines(cmd: Sequence[str], env: Mapping[str, str]) -> Iterator[str
 STEP_RE = re.compile(r"^#(?P<id>\d+) \[(?P<step>[^\]]+)\] (?P<what>.*)$")
 STEP_ERROR_RE = re.compile(r"^#(?P<id>\d+) ERROR: ")
 SOLVE_ERROR_PREFIX = "ERROR: failed to solve: "
+BUILDAH_STEP_RE = re.compile(r"^(?:\[\d+/\d+\] )?STEP (?P<step>\d+/\d+): (?P<what>.*)$")
+BUILDAH_ERROR_RE = re.compile(r"^(?:Error|error building at STEP) ?(?P<what>.*)$")
 
 
 def build_image(
@@ -102,22 +101,27 @@ def build_image(
     runner: LineRunner = subprocess_lines,
     on_step: Callable[[str], None] = lambda step: None,
     tail_lines: int = 30,
+    engine: Engine | None = None,
+    settings: BuildSettings | None = None,
 ) -> None:
-    """Run one build, reporting each BuildKit step; on failure raise with the failing step.
+    """Run one build, reporting each step; on failure raise with the failing step.
 
     BuildKit runs independent stages in parallel and interleaves their output, so the failing
-    step is the one whose id the `#N ERROR:` line names, not the last header printed. The
-    whole log streams at debug level; the last lines are kept so a failure shows the step's
-    own output, not just "exit code 1".
+    step is the one whose id the `#N ERROR:` line names, not the last header printed. buildah
+    runs steps one by one (`STEP 3/12: RUN ...`), so there the last header is the failing one.
+    The whole log streams at debug level; the last lines are kept so a failure shows the
+    step's own output, not just "exit code 1".
     """
-    env = {**os.environ, "DOCKER_BUILDKIT": "1"}
+    engine = engine or DockerEngine()
+    settings = settings or BuildSettings()
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     headers: dict[str, str] = {}
     step = "(before the first step)"
     failed_step: str | None = None
     reason = ""
     code: int | None = None
-    for item in runner(build_command(image, root), env):
+    cmd = engine.build_command(image, root, settings)
+    for item in runner(cmd, engine.build_env()):
         if isinstance(item, int):
             code = item
             break
@@ -126,10 +130,15 @@ def build_image(
         if match := STEP_RE.match(item):
             step = headers[match["id"]] = f"[{match['step']}] {match['what']}"
             on_step(step)
+        elif match := BUILDAH_STEP_RE.match(item):
+            step = f"[{match['step']}] {match['what']}"
+            on_step(step)
         elif (match := STEP_ERROR_RE.match(item)) and failed_step is None:
             failed_step = headers.get(match["id"])
         elif item.startswith(SOLVE_ERROR_PREFIX):
             reason = item[len(SOLVE_ERROR_PREFIX) :]
+        elif (match := BUILDAH_ERROR_RE.match(item)) and engine.name == "buildah":
+            reason = match["what"].strip(": ")
     if code != 0:
         where = (failed_step or step)[:120]
         why = f": {reason[:160]}" if reason else ""
@@ -144,8 +153,14 @@ def run_build(
     client: Any,
     *,
     runner: LineRunner = subprocess_lines,
-) -> None:
-    """Build the plan in order with progress; parents outside the plan must exist locally."""
+    engine: Engine | None = None,
+    settings: BuildSettings | None = None,
+) -> dict[str, float]:
+    """Build the plan in order with progress; parents outside the plan must exist locally.
+
+    `client` answers `images.get(ref)` (the Docker SDK's client, or an EngineImages over any
+    engine). Returns the seconds each image took.
+    """
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     planned = {image.ref for image in plan.images}
@@ -168,21 +183,40 @@ def run_build(
         console=stderr_console(),
     ) as progress:
         overall = progress.add_task("images", total=len(plan.images))
+        seconds: dict[str, float] = {}
         for image in plan.images:
             task = progress.add_task(f"{image.name}: starting", total=None)
 
             def on_step(step: str, task: Any = task, name: str = image.name) -> None:
                 progress.update(task, description=f"{name}: {step[:70]}")
 
+            started = time.monotonic()
             try:
-                build_image(image, root, runner=runner, on_step=on_step)
+                build_image(
+                    image, root, runner=runner, on_step=on_step, engine=engine, settings=settings
+                )
             except BuildFailed as exc:
                 progress.stop()
                 for line in exc.tail:
                     log.error("%s | %s", image.name, line)
                 raise
+            seconds[image.name] = time.monotonic() - started
             progress.update(task, description=f"{image.name}: built {image.ref}", total=1)
             progress.update(task, completed=1)
             progress.advance(overall)
     for image in plan.images:
-        log.info("built %s", ", ".join(image.refs))
+        log.info("built %s in %.0f s", ", ".join(image.refs), seconds[image.name])
+    return seconds
+
+
+class EngineImages:
+    """The one SDK call run_build needs (`client.images.get`), answered by any engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.images = self
+        self.engine = engine
+
+    def get(self, ref: str) -> str:
+        if not self.engine.exists(ref):
+            raise LookupError(ref)
+        return ref

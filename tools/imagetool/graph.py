@@ -56,7 +56,7 @@ class ImageSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
 
     layer: str
-    variant: Literal["gpu", "cpu"]
+    variant: Literal["gpu", "cpu", "ccl"]
     repo: str = Field(pattern=REPO_RE.pattern)
     dockerfile: str
     requirements: str

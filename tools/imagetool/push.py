@@ -378,3 +378,69 @@ def run_push(
 
         pushed = push_plan(plan, client, creds, attempts=attempts, on_event=on_event)
     return pushed
+
+
+def verify_pushed(engine: Any, ref: str, digest: str) -> str:
+    """Pull `ref` back by digest and check it is the image that was pushed (same image id).
+
+    A registry that rewrote or lost a layer, or a tag that moved under us, fails here, not on
+    a node an hour later. Returns the digest reference nodes can pin.
+    """
+    repo = ref.rsplit(":", 1)[0]
+    pinned = f"{repo}@{digest}"
+    pulled = engine.pull(pinned)
+    local = engine.image_id(ref)
+    if pulled != local:
+        raise PushFailed(f"{pinned} pulls back as {pulled[:19]}, not the pushed {local[:19]}")
+    return pinned
+
+
+def run_push_engine(
+    plan: Plan,
+    engine: Any,
+    *,
+    region: str | None,
+    ecr_factory: Callable[[str], Any] = make_ecr_client,
+    attempts: int = 5,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[tuple[str, str]]:
+    """Push with a daemonless engine (buildah): log in to ECR only when the registry is ECR,
+    push every tag in plan order with retries, and pull each exact tag back by digest."""
+    assert plan.registry is not None
+    auth = None
+    match = ECR_RE.match(plan.registry)
+    if match:
+        creds = ecr_credentials(ecr_factory(region or match["region"]), plan.registry)
+        auth = (creds.username, creds.password)
+        log.info("logged in to %s as %s", creds.registry, creds.username)
+    pushed = []
+    for image in plan.images:
+        local = image_ref(None, image.repo, image.tags[0])
+        for index, ref in enumerate(image.refs):
+            if not engine.exists(ref):
+                if not engine.exists(local):
+                    raise UserError(
+                        f"{ref} is not a local image: run `make image` (same version and "
+                        "commit) first"
+                    )
+                engine.tag(local, ref)
+
+            def once(ref: str = ref) -> str:
+                try:
+                    return engine.push(ref, auth)
+                except PushFailed as exc:
+                    if is_transient(str(exc)):
+                        raise TransientError(str(exc)) from exc
+                    raise
+
+            try:
+                digest = with_retries(once, what=f"push {ref}", attempts=attempts, sleep=sleep)
+            except PushFailed as exc:
+                if index > 0 and IMMUTABLE_TAG.search(str(exc)):
+                    log.warning("%s not updated: the repository's tags are immutable", ref)
+                    continue
+                raise
+            if index == 0:
+                log.info("pulled back %s: same image", verify_pushed(engine, ref, digest))
+            pushed.append((ref, digest))
+    return pushed

@@ -12,7 +12,10 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_real_graph_loads(graph) -> None:
-    assert set(graph.images) == {"base-gpu", "base-cpu", "bnb", "ccl", "trainer-gpu", "trainer-cpu"}
+    assert set(graph.images) == {
+        *("base-gpu", "base-cpu", "base-ccl", "bnb", "ccl"),
+        *("trainer-gpu", "trainer-cpu", "trainer-ccl"),
+    }
 
 
 def test_repos_match_infra_ecr_names(graph) -> None:
@@ -28,12 +31,16 @@ def test_repos_match_infra_ecr_names(graph) -> None:
 
 def test_chains(tool, graph) -> None:
     assert tool.chain(graph, "trainer-gpu") == ["base-gpu", "bnb", "trainer-gpu"]
-    assert tool.chain(graph, "trainer-cpu") == ["base-cpu", "ccl", "trainer-cpu"]
+    assert tool.chain(graph, "trainer-cpu") == ["base-cpu", "trainer-cpu"]
+    assert tool.chain(graph, "trainer-ccl") == ["base-ccl", "ccl", "trainer-ccl"]
 
 
 def test_order_puts_parents_first(tool, graph) -> None:
     order = tool.build_order(graph)
-    assert order == ["base-gpu", "base-cpu", "bnb", "ccl", "trainer-gpu", "trainer-cpu"]
+    assert order == [
+        *("base-gpu", "base-cpu", "base-ccl", "bnb", "ccl"),
+        *("trainer-gpu", "trainer-cpu", "trainer-ccl"),
+    ]
     for name, spec in graph.images.items():
         if spec.base:
             assert order.index(spec.base) < order.index(name)
@@ -47,16 +54,20 @@ def test_children_declare_base_image_and_every_image_its_labels(tool, graph) -> 
             assert "BASE_IMAGE" in declared, spec.dockerfile
 
 
-def test_base_is_the_small_cuda_flavour_for_g5(graph) -> None:
-    # torch 2.13.0 from PyPI is built against CUDA 13.0; the base image must match the major.
-    cuda = graph.images["base-gpu"].args["CUDA_VERSION"]
-    assert cuda.startswith("13.")
-    # torch's wheels carry cuBLAS/cuDNN/NCCL: the `base` flavour (cudart only), not `runtime`,
-    # whose copies of the same libraries only add gigabytes.
-    assert graph.images["base-gpu"].args["OS_IMAGE"] == f"nvidia/cuda:{cuda}-base-ubuntu24.04"
+def test_every_image_is_debian_12_and_gpu_gets_cuda_from_wheels(graph) -> None:
+    # Debian 12 with its own Python 3.11: what is built on a machine without Docker Hub
+    # (mmdebstrap) is the same OS as what ships. torch's wheels carry CUDA 13 (cudart,
+    # cuBLAS, cuDNN, NCCL), so the GPU base needs no CUDA image, only the toolkit's env.
+    for name in ("base-gpu", "base-cpu", "base-ccl"):
+        assert graph.images[name].args["OS_IMAGE"] == "debian:bookworm-slim"
+    assert graph.glibc == "2.36"
     text = (REPO_ROOT / "images/base/Dockerfile").read_text()
-    assert "ARG OS_IMAGE=nvidia/cuda:${CUDA_VERSION}-base-ubuntu24.04" in text
-    assert "-runtime-" not in text
+    assert "ARG OS_IMAGE=debian:bookworm-slim" in text
+    assert (
+        "NVIDIA_VISIBLE_DEVICES=all" in text
+        and "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in text
+    )
+    assert "nvidia/cuda" not in text
 
 
 # ---- invalid graphs: each must fail with one line that names the problem
@@ -85,7 +96,7 @@ def graph_copy(tmp_path: Path):
             lambda d: d["images"]["base-gpu"].update(base="trainer-gpu"),
             "images form a cycle",
         ),
-        (lambda d: d["images"]["ccl"].update(base="base-gpu"), "is a gpu image but 'ccl' is cpu"),
+        (lambda d: d["images"]["ccl"].update(base="base-gpu"), "is a gpu image but 'ccl' is ccl"),
         (
             lambda d: d["images"]["bnb"].update(dockerfile="images/bnb/Nope"),
             "images.bnb.dockerfile: images/bnb/Nope does not exist",

@@ -23,7 +23,7 @@ LOCKS = sorted(REPO_ROOT.glob("images/**/*.lock"))
 
 # Pins of pyproject's `train` extra that an image lock may pin differently, and why.
 TRAIN_PIN_EXCEPTIONS = {
-    ("images/base/requirements-cpu.lock", "torch"): (
+    ("images/base/requirements-ccl.lock", "torch"): (
         "oneccl_bind_pt has no release past torch 2.8.0 (torch-ccl end of life)"
     ),
 }
@@ -78,13 +78,21 @@ def test_gpu_base_uses_the_project_torch(tool, graph) -> None:
     assert pins["torch"].version == _train_extra_pins()["torch"]
 
 
+def test_cpu_base_uses_the_project_torch_as_a_cpu_wheel(tool, graph) -> None:
+    pins = {p.key: p for p in tool.read_pins(REPO_ROOT / graph.images["base-cpu"].lock)}
+    assert pins["torch"].version == _train_extra_pins()["torch"] + "+cpu"
+    assert not [key for key in pins if key.startswith(("nvidia-", "cuda-", "triton"))]
+
+
 def test_ccl_binding_matches_its_torch(tool, graph) -> None:
-    base = {p.key: p for p in tool.read_pins(REPO_ROOT / graph.images["base-cpu"].lock)}
+    base = {p.key: p for p in tool.read_pins(REPO_ROOT / graph.images["base-ccl"].lock)}
     ccl = {p.key: p for p in tool.read_pins(REPO_ROOT / graph.images["ccl"].lock)}
     assert ccl["oneccl-bind-pt"].version == base["torch"].version == "2.8.0+cpu"
 
 
-@pytest.mark.parametrize("name", ["base-gpu", "base-cpu", "bnb", "ccl", "trainer-gpu"])
+@pytest.mark.parametrize(
+    "name", ["base-gpu", "base-cpu", "base-ccl", "bnb", "ccl", "trainer-gpu", "trainer-cpu"]
+)
 def test_requirements_inputs_are_in_their_lock(tool, graph, name: str) -> None:
     spec = graph.images[name]
     locks = [REPO_ROOT / graph.images[n].lock for n in tool.chain(graph, name)]
@@ -165,9 +173,9 @@ def test_check_reports_packages_missing_from_the_lock(tool, graph) -> None:
 
 
 def test_check_ignores_what_the_graph_says_to(tool, graph) -> None:
-    pins = {p.key: p.version for p in tool.read_pins(REPO_ROOT / graph.images["base-cpu"].lock)}
+    pins = {p.key: p.version for p in tool.read_pins(REPO_ROOT / graph.images["base-ccl"].lock)}
     fake = FakeUv({**pins, "torch": "2.8.0", "nvidia-cublas-cu12": "12.8.4.1", "triton": "3.4.0"})
-    report = tool.check_locks(graph, "base-cpu", REPO_ROOT, runner=fake)
+    report = tool.check_locks(graph, "base-ccl", REPO_ROOT, runner=fake)
     assert report.unpinned == []
     assert "torch==2.8.0" in fake.requirements and "torch==2.8.0+cpu" not in fake.requirements
     assert "substituted: torch==2.8.0+cpu checked as torch==2.8.0" in report.notes
@@ -223,7 +231,8 @@ def lock_reports(tool, graph, lock_notes, uv_cache):
 
 @pytest.mark.network
 @pytest.mark.parametrize(
-    "name", ["base-gpu", "base-cpu", "bnb", "ccl", "trainer-gpu", "trainer-cpu"]
+    "name",
+    ["base-gpu", "base-cpu", "base-ccl", "bnb", "ccl", "trainer-gpu", "trainer-cpu", "trainer-ccl"],
 )
 def test_lock_resolves_for_the_image(lock_reports, name: str) -> None:
     report = lock_reports[name]
@@ -285,6 +294,7 @@ def test_write_locks_layers_pins_by_image(tool, tmp_path: Path, monkeypatch) -> 
     assert {p.relative_to(tmp_path).as_posix() for p in written} == {
         "images/base/requirements-gpu.lock",
         "images/base/requirements-cpu.lock",
+        "images/base/requirements-ccl.lock",
         "images/bnb/requirements.lock",
         "images/ccl/requirements.lock",
         "images/trainer/requirements.lock",
@@ -299,11 +309,12 @@ def test_write_locks_layers_pins_by_image(tool, tmp_path: Path, monkeypatch) -> 
         "torch==2.13.0",
     }
     # The +cpu pin comes back as written, not as its PyPI stand-in.
-    assert "torch==2.8.0+cpu" in pins("images/base/requirements-cpu.lock")
+    assert "torch==2.13.0+cpu" in pins("images/base/requirements-cpu.lock")
+    assert "torch==2.8.0+cpu" in pins("images/base/requirements-ccl.lock")
     assert pins("images/bnb/requirements.lock") == {"bitsandbytes==0.50.2"}
     assert pins("images/ccl/requirements.lock") == {"oneccl_bind_pt==2.8.0+cpu"}
     trainer = pins("images/trainer/requirements.lock")
     assert {"deepspeed==0.19.8", "einops==1.0", "nvidia-ml-py==1.0", "boto3==1.44.5"} <= trainer
     assert "common==2.0" not in trainer  # already in base
     header = (tmp_path / "images/trainer/requirements.lock").read_text().splitlines()[0]
-    assert "trainer-gpu, trainer-cpu" in header
+    assert "trainer-gpu, trainer-cpu, trainer-ccl" in header

@@ -25,10 +25,12 @@ def test_full_plan_order_tags_and_args(tool, graph, git) -> None:
     assert [i.name for i in plan.images] == [
         "base-gpu",
         "base-cpu",
+        "base-ccl",
         "bnb",
         "ccl",
         "trainer-gpu",
         "trainer-cpu",
+        "trainer-ccl",
     ]
     by_name = {i.name: i for i in plan.images}
     trainer = by_name["trainer-gpu"]
@@ -39,19 +41,24 @@ def test_full_plan_order_tags_and_args(tool, graph, git) -> None:
     assert trainer.build_args == {
         "BASE_IMAGE": f"{ECR}/raylift/bnb:bnb-0.1.0-0123456",
         "DS_ACCELERATOR": "cuda",
-        "DS_BUILD_IMAGE": "nvidia/cuda:13.0.2-devel-ubuntu24.04",
+        "DS_CUDA_PIP": graph.images["trainer-gpu"].args["DS_CUDA_PIP"],
         "DS_PREBUILD_OPS": "cpu_adam fused_adam",
         "LOCK_FILE": "images/trainer/requirements.lock",
         "SOURCE_URL": "https://example.invalid/raylift.git",
         "VCS_REF": SHA,
         "VERSION": "0.1.0",
     }
-    assert by_name["trainer-cpu"].build_args["BASE_IMAGE"] == f"{ECR}/raylift/ccl:ccl-0.1.0-0123456"
+    assert (
+        by_name["trainer-cpu"].build_args["BASE_IMAGE"]
+        == f"{ECR}/raylift/base:base-cpu-0.1.0-0123456"
+    )
+    assert by_name["trainer-ccl"].build_args["BASE_IMAGE"] == f"{ECR}/raylift/ccl:ccl-0.1.0-0123456"
     base = by_name["base-gpu"]
     assert "BASE_IMAGE" not in base.build_args
-    assert base.build_args["CUDA_VERSION"] == "13.0.2"
     assert base.build_args["LOCK_FILE"] == "images/base/requirements-gpu.lock"
-    assert by_name["base-cpu"].build_args["OS_IMAGE"] == "ubuntu:24.04"
+    assert {by_name[n].build_args["OS_IMAGE"] for n in ("base-gpu", "base-cpu", "base-ccl")} == {
+        "debian:bookworm-slim"
+    }
     assert by_name["bnb"].build_args["BNB_INSTALL"] == "wheel"
 
 
@@ -70,11 +77,12 @@ def test_dirty_tree_is_visible_in_the_tag(tool, graph) -> None:
 @pytest.mark.parametrize(
     ("only", "variant", "names"),
     [
-        ("trainer", None, ["trainer-gpu", "trainer-cpu"]),
+        ("trainer", None, ["trainer-gpu", "trainer-cpu", "trainer-ccl"]),
         ("trainer", "cpu", ["trainer-cpu"]),
         ("base", "gpu", ["base-gpu"]),
         (None, "gpu", ["base-gpu", "bnb", "trainer-gpu"]),
-        (None, "cpu", ["base-cpu", "ccl", "trainer-cpu"]),
+        (None, "cpu", ["base-cpu", "trainer-cpu"]),
+        (None, "ccl", ["base-ccl", "ccl", "trainer-ccl"]),
         ("bnb-never", None, None),
         ("ccl", "gpu", None),
     ],
@@ -175,24 +183,24 @@ class FakeDocker:
 
 
 def test_run_build_in_order(tool, graph, git) -> None:
-    plan = tool.make_plan(graph, version="0.1.0", git=git, variant="cpu")
+    plan = tool.make_plan(graph, version="0.1.0", git=git, variant="ccl")
     fake = FakeDocker()
     tool.run_build(plan, REPO_ROOT, fake, runner=fake)
     tags = [c[c.index("--tag") + 1] for c in fake.commands]
     assert tags == [
-        "raylift/base:base-cpu-0.1.0-0123456",
+        "raylift/base:base-ccl-0.1.0-0123456",
         "raylift/ccl:ccl-0.1.0-0123456",
-        "raylift/trainer:trainer-cpu-0.1.0-0123456",
+        "raylift/trainer:trainer-ccl-0.1.0-0123456",
     ]
 
 
 def test_build_failure_names_the_step_and_keeps_the_tail(tool, graph, git) -> None:
-    plan = tool.make_plan(graph, version="0.1.0", git=git, variant="cpu")
-    fake = FakeDocker(fail="trainer-cpu")
+    plan = tool.make_plan(graph, version="0.1.0", git=git, variant="ccl")
+    fake = FakeDocker(fail="trainer-ccl")
     with pytest.raises(tool.BuildFailed) as err:
         tool.run_build(plan, REPO_ROOT, fake, runner=fake)
     message = str(err.value)
-    assert "build of trainer-cpu failed (exit 1)" in message
+    assert "build of trainer-ccl failed (exit 1)" in message
     assert "[runtime 3/6] RUN pip install" in message
     assert "COPY trainer" not in message
     assert message.endswith(
@@ -245,7 +253,7 @@ def test_cli_dry_run_prints_the_plan_without_an_engine() -> None:
         DOCKER_HOST="unix:///nonexistent/docker.sock",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("plan: 6 image(s), version 0.1.0, commit 0123456")
+    assert result.stdout.startswith("plan: 8 image(s), version 0.1.0, commit 0123456")
     assert f"{ECR}/raylift/trainer:trainer-cpu-0.1.0-0123456" in result.stdout
 
 
@@ -264,12 +272,13 @@ def test_cli_plan_defaults_to_pyproject_version_and_head(tool) -> None:
 
 
 def test_cli_without_engine_is_one_line_and_non_zero() -> None:
-    result = _cli("build", "--git-sha", SHA, DOCKER_HOST="unix:///nonexistent/docker.sock")
+    # Neither docker nor buildah on PATH (the CLI runs by its full path).
+    result = _cli("build", "--git-sha", SHA, PATH="/nonexistent")
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ")
-    assert "Docker" in lines[0] or "docker" in lines[0]
+    assert lines[0].startswith("error: no engine to build with: no `docker` CLI on PATH")
+    assert "apt-get install buildah" in lines[0]
 
 
 def test_cli_user_error_is_one_line_and_debug_shows_the_traceback() -> None:

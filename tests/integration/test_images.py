@@ -1,0 +1,497 @@
+"""Real image builds, a real registry, and (with RAYLIFT_IMAGE_TESTS=full) the real CPU chain.
+
+The engine is whatever `make image` would pick: Docker BuildKit where an engine answers,
+buildah otherwise (`.ci/run` installs buildah, podman, mmdebstrap, skopeo and docker-registry
+where they are missing, so CI never skips these). The OS image is Debian 12 made by
+`tools/image.py os-image` (mmdebstrap + podman import), reused once made.
+
+Default (make test): a two-image graph FROM that OS image, built by the tool's own code path
+with a made-up CA bundle as the `ca` build secret; every layer of the result is scanned for
+the bundle's bytes; the chain is pushed to a Distribution registry on 127.0.0.1 and pulled
+back by digest. RAYLIFT_IMAGE_TESTS=full builds base-cpu -> trainer-cpu from images/ and runs
+it: the entrypoint, Ray as uid 1000, the trainer CLI, DeepSpeed's prebuilt cpu_adam.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tools import imagetool as tool
+from tools.imagetool import cli, osimage
+from tools.imagetool import engine as engines
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FULL = os.environ.get("RAYLIFT_IMAGE_TESTS") == "full"
+pytestmark = pytest.mark.slow
+
+GRAPH = """\
+schema: 1
+python: "3.11"
+glibc: "2.36"
+context: .
+images:
+  parent:
+    layer: parent
+    variant: cpu
+    repo: raylift-test/parent
+    dockerfile: parent/Dockerfile
+    requirements: parent/requirements.in
+    lock: parent/requirements.lock
+    args:
+      OS_IMAGE: {os_image}
+  child:
+    layer: child
+    variant: cpu
+    repo: raylift-test/child
+    base: parent
+    dockerfile: child/Dockerfile
+    requirements: child/requirements.in
+    lock: child/requirements.lock
+"""
+
+# The secret is readable while the RUN runs (its hash is recorded), and gone afterwards. The
+# nonce keeps the RUN out of the layer cache: a secret's content is no part of a cache key.
+PARENT = """\
+# syntax=docker/dockerfile:1
+ARG OS_IMAGE=missing
+FROM ${OS_IMAGE}
+ARG LOCK_FILE
+RUN --mount=type=secret,id=ca,target=/run/secrets/ca \\
+    : {nonce} && sha256sum /run/secrets/ca | cut -d' ' -f1 > /ca-seen.sha256{bake}
+COPY ${LOCK_FILE} /parent.lock
+ARG VERSION=dev
+ARG VCS_REF=unknown
+LABEL org.opencontainers.image.version="${VERSION}" \\
+      org.opencontainers.image.revision="${VCS_REF}"
+"""
+
+CHILD = """\
+# syntax=docker/dockerfile:1
+ARG BASE_IMAGE=missing
+FROM ${BASE_IMAGE}
+ARG LOCK_FILE
+COPY ${LOCK_FILE} /child.lock
+USER 1000:1000
+"""
+
+
+@pytest.fixture(scope="module")
+def engine() -> engines.Engine:
+    try:
+        chosen, why = engines.select_engine()
+    except tool.UserError as exc:
+        if os.environ.get("RAYLIFT_REQUIRE_IMAGE_ENGINE"):
+            raise
+        pytest.skip(f"no image engine here ({exc}); .ci/run installs buildah")
+    print(f"engine: {chosen.name} ({why})")
+    return chosen
+
+
+@pytest.fixture(scope="module")
+def os_image(engine: engines.Engine) -> str:
+    if isinstance(engine, engines.DockerEngine):
+        return "debian:bookworm-slim"
+    started = time.monotonic()
+    tag = osimage.make_os_image()
+    print(f"os image {tag} ready in {time.monotonic() - started:.0f} s")
+    return tag
+
+
+def fake_ca(path: Path) -> bytes:
+    """A PEM-armoured bundle of random bytes: unique, so finding it in a layer is a leak."""
+    body = secrets.token_hex(48).upper()
+    text = f"-----BEGIN CERTIFICATE-----\nRAYLIFTTESTCA{body}\n-----END CERTIFICATE-----\n"
+    path.write_text(text)
+    return f"RAYLIFTTESTCA{body}".encode()
+
+
+def tiny_context(root: Path, os_image: str, bake: bool = False) -> tool.Graph:
+    for name, text in (("parent", PARENT), ("child", CHILD)):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        extra = " && cp /run/secrets/ca /baked-ca.pem" if bake and name == "parent" else ""
+        text = text.replace("{bake}", extra).replace("{nonce}", secrets.token_hex(8))
+        (root / name / "Dockerfile").write_text(text)
+        (root / name / "requirements.in").write_text("")
+        (root / name / "requirements.lock").write_text(f"# {name} {root.name}\n")
+    (root / "graph.yaml").write_text(GRAPH.format(os_image=os_image))
+    return tool.load_graph(root / "graph.yaml", root)
+
+
+def layer_files(engine: engines.Engine, ref: str, dest: Path):
+    """(layer digest, path, bytes) of every regular file in every layer of `ref`."""
+    if isinstance(engine, engines.DockerEngine):
+        source = f"docker-daemon:{ref}"
+    else:  # by id: containers-storage does not expand short names the way buildah does
+        source = "containers-storage:" + engine.image_id(ref).removeprefix("sha256:")
+    subprocess.run(["skopeo", "copy", "--quiet", source, f"dir:{dest}"], check=True)
+    manifest = json.loads((dest / "manifest.json").read_text())
+    for layer in manifest["layers"]:
+        blob = dest / layer["digest"].split(":", 1)[1]
+        with tarfile.open(blob, mode="r:*") as tar:
+            for member in tar:
+                if member.isfile():
+                    data = tar.extractfile(member)
+                    yield layer["digest"], member.name, data.read() if data else b""
+
+
+def leaks(engine: engines.Engine, ref: str, needle: bytes, dest: Path) -> list[str]:
+    return [
+        f"{d[:19]}:{name}" for d, name, data in layer_files(engine, ref, dest) if needle in data
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory) -> str:
+    """A CNCF Distribution registry on 127.0.0.1 (Debian's docker-registry), plain HTTP."""
+    binary = shutil.which("docker-registry") or shutil.which("registry")
+    if binary is None:
+        if os.environ.get("RAYLIFT_REQUIRE_IMAGE_ENGINE"):
+            raise RuntimeError("docker-registry is not installed (.ci/run installs it)")
+        pytest.skip("no docker-registry binary: apt-get install docker-registry")
+    root = tmp_path_factory.mktemp("registry")
+    port = free_port()
+    config = root / "config.yml"
+    config.write_text(
+        "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n"
+        f"    rootdirectory: {root / 'data'}\n  delete:\n    enabled: true\n"
+        f"http:\n  addr: 127.0.0.1:{port}\n"
+    )
+    log = (root / "registry.log").open("w")
+    proc = subprocess.Popen([binary, "serve", str(config)], stdout=log, stderr=log)
+    host = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"registry did not start: {(root / 'registry.log').read_text()}"
+                ) from None
+            time.sleep(0.2)
+    yield host
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_tiny_chain_builds_keeps_no_ca_and_round_trips_a_registry(
+    engine, os_image, registry, tmp_path: Path
+) -> None:
+    root = tmp_path / "ctx"
+    graph = tiny_context(root, os_image)
+    ca = tmp_path / "ca.pem"
+    needle = fake_ca(ca)
+    settings = engines.BuildSettings.from_env(ca)
+    git = tool.GitInfo(sha=hashlib.sha1(root.name.encode()).hexdigest())
+    plan = tool.make_plan(graph, version="9.9.9", git=git)
+    client = (
+        tool.build.EngineImages(engine)
+        if not isinstance(engine, engines.DockerEngine)
+        else tool.docker_client()
+    )
+    seconds = tool.run_build(plan, root, client, engine=engine, settings=settings)
+    print(f"tiny chain built in {sum(seconds.values()):.0f} s")
+    parent, child = (image.ref for image in plan.images)
+    try:
+        # The RUN saw the secret: it recorded the bundle's hash...
+        files = {name: data for _, name, data in layer_files(engine, parent, tmp_path / "p")}
+        seen = files["ca-seen.sha256"].decode().strip()
+        assert seen == hashlib.sha256(ca.read_bytes()).hexdigest()
+        # ...and no layer of either image holds its bytes.
+        assert leaks(engine, parent, needle, tmp_path / "p2") == []
+        assert leaks(engine, child, needle, tmp_path / "c") == []
+
+        # Push both (the tool's push path), pull each back by digest: the same image.
+        push_plan = tool.make_plan(graph, version="9.9.9", git=git, registry=registry)
+        if isinstance(engine, engines.DockerEngine):
+            pytest.skip("registry round trip through Docker is covered by make push")
+        pushed = tool.push.run_push_engine(push_plan, engine, region=None, attempts=2)
+        assert [ref for ref, _ in pushed] == [r for i in push_plan.images for r in i.refs]
+        for image in push_plan.images:
+            digest = dict(pushed)[image.ref]
+            raw = subprocess.run(
+                ["skopeo", "inspect", "--raw", "--tls-verify=false",
+                 f"docker://{registry}/{image.repo}@{digest}"],
+                capture_output=True, text=True, check=True,
+            ).stdout  # fmt: skip
+            assert "sha256:" + hashlib.sha256(raw.encode()).hexdigest() == digest
+            config = json.loads(raw)["config"]["digest"]
+            assert config == engine.image_id(image.ref.replace(f"{registry}/", ""))
+    finally:
+        for image in plan.images:
+            for ref in image.refs:
+                engine.remove(ref)
+
+
+def test_a_baked_ca_is_found_by_the_layer_scan(engine, os_image, tmp_path: Path) -> None:
+    """The scan above can fail: a Dockerfile that copies the secret into a layer is caught."""
+    root = tmp_path / "ctx"
+    graph = tiny_context(root, os_image, bake=True)
+    ca = tmp_path / "ca.pem"
+    needle = fake_ca(ca)
+    plan = tool.make_plan(graph, version="9.9.9", git=tool.GitInfo(sha="e" * 40), only="parent")
+    client = (
+        tool.build.EngineImages(engine)
+        if not isinstance(engine, engines.DockerEngine)
+        else tool.docker_client()
+    )
+    tool.run_build(plan, root, client, engine=engine,
+                   settings=engines.BuildSettings.from_env(ca))  # fmt: skip
+    try:
+        found = leaks(engine, plan.images[0].ref, needle, tmp_path / "p")
+        assert [f.split(":", 2)[-1] for f in found] == ["baked-ca.pem"]
+    finally:
+        for ref in plan.images[0].refs:
+            engine.remove(ref)
+
+
+def test_build_cli_names_the_engine_and_refuses_a_missing_wheelhouse(tmp_path, capsys) -> None:
+    code = cli.main(["build", "--variant", "cpu", "--wheelhouse", str(tmp_path / "none")])
+    err = capsys.readouterr()
+    assert code == 2
+    assert "--wheelhouse" in err.err and "not a folder" in err.err
+    assert err.out.startswith("engine: ")
+
+
+# ---- RAYLIFT_IMAGE_TESTS=full: the real CPU chain, built from images/ and run
+
+
+def torch_cpu_wheelhouse(tmp: Path) -> Path:
+    """A folder holding torch's CPU wheel: the one pip's find-links already has, or a
+    `pip download` of it (PyPI's torch is the CUDA build, so this is the +cpu one at hand)."""
+    for folder in filter(None, os.environ.get("PIP_FIND_LINKS", "").split()):
+        if list(Path(folder).glob("torch-2.13.0+cpu-*.whl")):
+            return Path(folder)
+    made = REPO_ROOT / "build" / "torch-cpu-wheels"
+    if not list(made.glob("torch-*.whl")):
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(made),
+             "torch==2.13.0"],
+            check=True,
+        )  # fmt: skip
+    return made
+
+
+@pytest.fixture(scope="module")
+def cpu_chain(engine, os_image, tmp_path_factory):
+    if not FULL:
+        pytest.skip("the real CPU chain (~2 GB, minutes warm): set RAYLIFT_IMAGE_TESTS=full")
+    if os.environ.get("RAYLIFT_IMAGE_REF"):  # a trainer-cpu built already (make image-local)
+        return os.environ["RAYLIFT_IMAGE_REF"]
+    graph = tool.load_graph(tool.DEFAULT_GRAPH, REPO_ROOT)
+    plan = tool.make_plan(
+        graph,
+        version="test",
+        git=tool.git_info(REPO_ROOT),
+        variant="cpu",
+        build_args=[f"base:OS_IMAGE={os_image}", "base:TORCH_INDEX_URL="],
+    )
+    client = tool.build.EngineImages(engine)
+    started = time.monotonic()
+    with engines.staged_wheelhouse(REPO_ROOT, torch_cpu_wheelhouse(tmp_path_factory.mktemp("w"))):
+        seconds = tool.run_build(plan, REPO_ROOT, client, engine=engine,
+                                 settings=engines.BuildSettings.from_env())  # fmt: skip
+    sizes = {i.name: engine.size(i.ref) / 1e9 for i in plan.images}
+    print(f"cpu chain built in {time.monotonic() - started:.0f} s: {seconds}, GB {sizes}")
+    return plan.images[-1].ref
+
+
+def run_in(engine, ref: str, argv: list[str], **kw) -> subprocess.CompletedProcess[str]:
+    cmd, cleanup = engine.run_command(ref, argv, **kw)
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    finally:
+        cleanup()
+
+
+ENTRY = ["/usr/bin/tini", "-s", "--", "/usr/local/bin/raylift-entrypoint"]
+
+
+def test_cpu_image_runs_the_trainer_as_uid_1000_with_cpu_adam_prebuilt(engine, cpu_chain):
+    out = run_in(engine, cpu_chain, [*ENTRY, "--help"])
+    assert out.returncode == 0 and "usage" in out.stdout.lower(), out.stderr[-2000:]
+    ids = run_in(engine, cpu_chain, ["id", "-u"])
+    assert ids.stdout.strip() == "1000"
+    # The op loads from the wheel: no compiler in the image, so a JIT build would fail.
+    probe = (
+        "import shutil; assert shutil.which('g++') is None and shutil.which('c++') is None; "
+        "from deepspeed.ops.op_builder import CPUAdamBuilder; "
+        "print('cpu_adam', CPUAdamBuilder().load().__name__)"
+    )
+    op = run_in(engine, cpu_chain, ["python", "-c", probe])
+    assert op.returncode == 0 and "cpu_adam" in op.stdout, op.stderr[-2000:]
+    health = run_in(engine, cpu_chain, ["/usr/local/bin/raylift-healthcheck"])
+    assert health.returncode == 0
+
+
+def _answers(url: str, token: str) -> bool:
+    import urllib.request
+
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _alive_nodes(url: str, token: str) -> int:
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"{url}/nodes?view=summary", headers={"Authorization": f"Bearer {token}"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            summary = json.load(response)["data"]["summary"]
+    except (OSError, KeyError, ValueError):
+        return 0
+    return sum(1 for node in summary if node.get("raylet", {}).get("state") == "ALIVE")
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below `root` (read from /proc), so a test ends exactly what it started."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _wait(what: str, ready, procs, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        dead = [p for p in procs if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            logs = "\n".join(Path(p.args_log).read_text()[-3000:] for p in procs)
+            raise AssertionError(f"{what}: not ready ({'exited' if dead else 'timeout'})\n{logs}")
+        time.sleep(0.5)
+
+
+def test_two_containers_run_a_cluster_and_the_demo_job(engine, cpu_chain, tmp_path: Path):
+    """Head and worker containers on the host network, token auth, a uid-1000 shared folder
+    at the same path in both, the node agent on the worker against a loopback IMDSv2 stub;
+    then doctor and the demo job through the Jobs API, as against a real cluster."""
+    from tests.imds import FakeImds
+    from tools import submit, tiny
+    from trainer.config import load_config
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    token = secrets.token_hex(16)
+    (shared / "token").write_text(token)
+    assets = shared / "assets"
+    tiny.build_all(assets, rows=400)
+    for path in [shared, *shared.rglob("*")]:
+        os.chown(path, 1000, 1000)
+    gcs, dash, client_port, agent, agent2 = (free_port() for _ in range(5))
+    url = f"http://127.0.0.1:{dash}"
+    # `ray start` advertises the machine's own address in place of 127.0.0.1 (it refuses
+    # worker nodes otherwise); on the host network that address routes over `lo` too.
+    # The dashboard and Jobs API bind 127.0.0.1; gloo's sockets are pinned to `lo`.
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(shared / "token"),
+           "GLOO_SOCKET_IFNAME": "lo"}  # fmt: skip
+    imds = FakeImds().start()
+    head_cmd = [*ENTRY, "ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+                f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                f"--ray-client-server-port={client_port}", f"--dashboard-agent-listen-port={agent}",
+                "--num-cpus=2", "--labels=large_cpu_mem=true"]  # fmt: skip
+    worker_cmd = [*ENTRY, "ray", "start", "--block", f"--address=127.0.0.1:{gcs}",
+                  "--node-ip-address=127.0.0.1", f"--dashboard-agent-listen-port={agent2}",
+                  "--num-cpus=2"]  # fmt: skip
+    worker_env = {**env, "RAYLIFT_ROLE": "worker", "RAYLIFT_IMDS_ENDPOINT": imds.endpoint,
+                  "RAYLIFT_INSTANCE_ID": imds.instance_id}  # fmt: skip
+    procs, cleanups = [], []
+    try:
+        for name, cmd, e in (("head", head_cmd, env), ("worker", worker_cmd, worker_env)):
+            argv, cleanup = engine.run_command(
+                cpu_chain, cmd, volumes=[f"{shared}:{shared}"], env=e
+            )
+            cleanups.append(cleanup)
+            log = tmp_path / f"{name}.log"
+            proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
+            proc.args_log = str(log)
+            procs.append(proc)
+            if name == "head":
+                _wait("the head's Jobs API", lambda: _answers(f"{url}/api/version", token), procs)
+        _wait("two alive nodes", lambda: _alive_nodes(url, token) == 2, procs)
+        # The agent polls the stub with an IMDSv2 session token.
+        _wait("the node agent", lambda: any(r.path.startswith("/latest/meta-data")
+                                            for r in imds.requests), procs)  # fmt: skip
+        # Every Ray process of both containers runs as uid 1000.
+        ps = subprocess.run(["ps", "-eo", "uid=,args="], capture_output=True, text=True).stdout
+        ray_uids = {
+            uid
+            for uid, _, args in (line.strip().partition(" ") for line in ps.splitlines())
+            if f":{gcs}" in args and not args.startswith("buildah")  # the host's launcher
+        }
+        assert ray_uids == {"1000"}, ps
+
+        os.environ["RAY_AUTH_TOKEN"] = token
+        rc = submit.main(["doctor", "--address", url, "--shared", str(shared)])
+        assert rc == 0
+
+        job = shared / "job.yaml"
+        job.write_text(
+            __import__("tools.demo", fromlist=["JOB"])
+            .JOB.format(assets=assets, out=shared, name="image-demo")
+            .replace("epochs: 1", "max_steps: 30\n  epochs: 1")
+        )
+        os.chown(job, 1000, 1000)
+        cfg = load_config(job)
+        client, job_id = submit.submit(cfg, url, token=token, local=False)
+        status, summary = submit.follow(client, job_id, progress=False)
+        assert status == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]
+        run_dir = shared / "runs" / "image-demo"
+        assert sorted(p.name for p in run_dir.glob("step_*"))
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_pretrained(Path(summary["export"]) / "model")
+    finally:
+        os.environ.pop("RAY_AUTH_TOKEN", None)
+        # `buildah run` does not pass SIGTERM on to the container: signal the container's own
+        # processes (tini forwards it to `ray start --block`, which stops Ray), then make
+        # sure nothing of ours is left.
+        for proc in reversed(procs):
+            tree = _descendants(proc.pid)
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            for pid in _descendants(proc.pid) + tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        for cleanup in cleanups:
+            cleanup()
+        imds.stop()
