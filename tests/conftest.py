@@ -52,7 +52,7 @@ LONGEST_FIRST = (
     "test_strategies.py",
     "test_faults.py",
     "test_ray_train.py",
-    "test_gpucheck.py",
+    "test_gpucheck_cpu.py",
     "test_packing_loop.py",
     "test_job_cli.py",
     "test_data_cluster.py",
