@@ -243,8 +243,11 @@ def test_s3_outage_during_upload_is_retried_without_stopping_training(
         logs = client.get_job_logs(job_id)
         return after in logs and retried in logs
 
-    _wait(trained_through_outage, "steps and an upload retry during the outage", client, job_id)
-    s3_server["server"].start()
+    try:
+        _wait(trained_through_outage, "steps and an upload retry during the outage", client, job_id)
+    finally:
+        # Back up whatever happened: the session's S3 server serves the tests after this one.
+        s3_server["server"].start()
     up_at = time.time()
     _finish(client, job_id)
 

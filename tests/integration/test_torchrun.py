@@ -70,7 +70,7 @@ def test_torchrun_bad_config_is_one_line(job):
 
 def test_as_test_runs_one_step_and_leaves_nothing_behind(job, tmp_path):
     res = torchrun(job("astest"), "train.as_test=true")
-    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.returncode == 0, res.stderr[-8000:]
     assert "step 1/1 loss" in res.stderr
     assert not list((tmp_path / "runs" / "astest").glob("step_*"))
     assert not (tmp_path / "runs" / "astest" / "metrics.jsonl").exists()
