@@ -7,6 +7,7 @@ go is the runtime's, and which blocks a rank reads is `trainer.data.BatchPlan`'s
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import logging
 import math
@@ -638,4 +639,7 @@ def torchrun_worker(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
         raise
     finally:
         if dist.is_initialized():
+            # Whatever of the strategy a reference cycle still holds (a DDP reducer) goes
+            # before the group: destroyed after it, at interpreter exit, it can abort the rank.
+            gc.collect()
             dist.destroy_process_group()
