@@ -142,6 +142,10 @@ def check_tracking(cfg: JobConfig, strict: bool, report: Report) -> None:
     for name in cfg.tracking.trackers:
         module = TRACKER_PACKAGES[name]
         if importlib.util.find_spec(module) is not None:
+            if strict and name == "mlflow":
+                from trainer.tracking.backends import prepare_mlflow_store
+
+                prepare_mlflow_store(cfg.tracking.mlflow.tracking_uri)  # type: ignore[union-attr]
             continue
         msg = (
             f"tracking.{name}: the {module} package is not installed here; install the "

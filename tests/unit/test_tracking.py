@@ -264,3 +264,81 @@ def test_preflight_names_a_missing_tracker_client(tmp_path, monkeypatch):
     report = preflight.Report()
     preflight.check_tracking(cfg, False, report)  # a laptop: the image is what counts
     assert len(report.notes) == 1 and report.notes[0].endswith("checked again on the cluster")
+
+
+def _half_made_mlflow_db(path: Path) -> None:
+    """What a rank killed during MLflow's first-use migrations leaves: the initial tables
+    and some later ones, with no record of the migrations that made them."""
+    import sqlalchemy
+    from mlflow.store.db.base_sql_model import Base
+
+    engine = sqlalchemy.create_engine(f"sqlite:///{path}")
+    Base.metadata.tables["experiments"].create(engine)
+    Base.metadata.tables["assessments"].create(engine)
+    engine.dispose()
+
+
+def test_driver_makes_the_mlflow_store_whole_and_refuses_a_half_made_one(tmp_path):
+    """The driver creates a sqlite store before any worker starts (a rank killed while
+    MLflow migrates leaves a database nobody can open again); one left half made by
+    an earlier kill is refused in one line before the job starts."""
+    import mlflow.store.db.utils as dbutils
+    import sqlalchemy
+    from mlflow.tracking import MlflowClient
+
+    from trainer import preflight
+    from trainer.errors import UserError
+
+    db = tmp_path / "track" / "mlflow.db"
+    cfg = _cfg(tmp_path, mlflow={"tracking_uri": f"sqlite:///{db}", "experiment": "e"})
+    preflight.check_tracking(cfg, False, preflight.Report())  # a laptop: nothing made
+    assert not db.exists()
+    preflight.check_tracking(cfg, True, preflight.Report())
+    assert dbutils._all_tables_exist(sqlalchemy.create_engine(f"sqlite:///{db}"))
+    assert sorted(p.name for p in db.parent.iterdir()) == ["mlflow.db"]  # no side file
+    preflight.check_tracking(cfg, True, preflight.Report())  # a whole one is kept as is
+
+    bad = tmp_path / "bad.db"
+    _half_made_mlflow_db(bad)
+    with pytest.raises(Exception, match="OperationalError"):  # MLflow cannot open it
+        MlflowClient(tracking_uri=f"sqlite:///{bad}").search_experiments()
+    cfg = _cfg(tmp_path, mlflow={"tracking_uri": f"sqlite:///{bad}", "experiment": "e"})
+    with pytest.raises(UserError) as err:
+        preflight.check_tracking(cfg, True, preflight.Report())
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"tracking.mlflow.tracking_uri sqlite:///{bad}:")
+    assert "half made: move it away" in msg
+
+
+def test_a_kill_while_the_mlflow_store_is_made_leaves_no_database(tmp_path):
+    """The schema is made in a side file and linked into place only when whole: a driver
+    killed in the middle leaves no database, so the next submission makes a new one."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    db = tmp_path / "mlflow.db"
+    code = (
+        "import sys; from trainer.tracking.backends import prepare_mlflow_store; "
+        "prepare_mlflow_store(sys.argv[1])"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, f"sqlite:///{db}"])
+    side = db.with_name(f".mlflow.db.init-{proc.pid}")
+    deadline = time.monotonic() + 300
+
+    def tables_written() -> bool:  # wherever the schema is being made, it has begun
+        return any(p.exists() and p.stat().st_size > 0 for p in (side, db))
+
+    while not tables_written():  # MLflow's migrations take seconds; kill in the middle
+        assert proc.poll() is None and time.monotonic() < deadline, "no schema seen"
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not db.exists()
+    from trainer.tracking.backends import prepare_mlflow_store
+
+    prepare_mlflow_store(f"sqlite:///{db}")  # the next driver makes it whole
+    from mlflow.tracking import MlflowClient
+
+    assert MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments()

@@ -15,6 +15,7 @@ and returns the id to store. Steps rolled back by a restart are handled per trac
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -31,6 +32,48 @@ def _scalars(values: dict[str, Any]) -> dict[str, float]:
         for k, v in values.items()
         if isinstance(v, int | float) and not isinstance(v, bool) and v == v
     }
+
+
+def prepare_mlflow_store(uri: str) -> None:
+    """Create a local SQLite MLflow store whole, on the driver, before any worker starts.
+
+    MLflow creates its schema on first use (some thirty migrations). A rank killed in the
+    middle of that leaves a database with half its tables, which every later client, the
+    next attempt's included, fails to open ("table ... already exists"). Here the schema
+    is built in a side file and linked into place only when complete, so a kill at any
+    moment leaves either no database or a whole one. An existing database that cannot be
+    opened is refused in one line. Server URIs (http, databricks) are left to the sender.
+    """
+    from sqlalchemy.engine import make_url
+
+    if not uri.startswith("sqlite:"):
+        return
+    from mlflow.tracking import MlflowClient
+
+    from trainer.errors import UserError
+
+    database = make_url(uri).database
+    if not database or database == ":memory:":
+        raise UserError(f"tracking.mlflow.tracking_uri {uri}: name a database file")
+    path = Path(database).expanduser().resolve()
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        side = path.with_name(f".{path.name}.init-{os.getpid()}")
+        try:
+            MlflowClient(tracking_uri=f"sqlite:///{side}").search_experiments(max_results=1)
+            with contextlib.suppress(FileExistsError):  # never over another driver's
+                os.link(side, path)
+        finally:
+            side.unlink(missing_ok=True)
+    try:
+        MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments(max_results=1)
+    except Exception as exc:
+        lines = [x for x in str(exc).splitlines() if x.strip()]
+        raise UserError(
+            f"tracking.mlflow.tracking_uri {uri}: the database cannot be opened "
+            f"({(lines[0] if lines else type(exc).__name__)[:200]}); a process killed while "
+            "creating it leaves it half made: move it away and submit again"
+        ) from None
 
 
 class MlflowBackend:
