@@ -385,11 +385,19 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         log_now = done % cfg.train.log_every == 0 or is_last or save
         if not log_now and not export:
             continue
-        # One all-reduce carries the loss and rank 0's "time to report to Ray" flag, so all
-        # ranks agree on when to call ray.train.report (a barrier that waits for the
-        # controller's poll: per-step calls would cost ~2 s each in Ray 2.60).
+        # One all-reduce carries the loss, rank 0's "time to report to Ray" flag and each
+        # rank's count of checkpoint uploads still running, so all ranks agree on when to
+        # call ray.train.report (a barrier that waits for the controller's poll: per-step
+        # calls would cost ~2 s each in Ray 2.60). Ray hands reports to its controller in
+        # order, so a metrics report made while an async upload runs waits for that upload:
+        # during a storage outage it would stop training until storage came back. Metrics
+        # are reported once no rank has an upload running (the checkpoint's own report
+        # carries its metrics meanwhile).
         due = float(rt.rank == 0 and time.monotonic() - last_report >= REPORT_EVERY_S)
-        loss_sum, due = _all_reduce_sum([float(loss_acc), due], device, rt.world_size)
+        loss_sum, due, uploading = _all_reduce_sum(
+            [float(loss_acc), due, float(rt.uploads_in_flight())], device, rt.world_size
+        )
+        due = float(due > 0 and uploading == 0)
         loss_val = loss_sum / rt.world_size
         now = time.perf_counter()
         tps = window_tokens / max(now - window_start, 1e-9)

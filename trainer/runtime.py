@@ -25,7 +25,7 @@ from trainer import drill, staging
 from trainer.config import JobConfig
 from trainer.errors import UserError
 from trainer.journal import Journal
-from trainer.storage import Location, download_dir, resolve, upload_checkpoint
+from trainer.storage import Location, download_dir, resolve, retrying, upload_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,10 @@ class Runtime:
         Returns True when the runtime took the folder over (an async upload deletes it
         when done); otherwise the caller removes it."""
         raise NotImplementedError
+
+    def uploads_in_flight(self) -> int:
+        """Checkpoint uploads of this rank still running in the background."""
+        return 0
 
     def preemption(self) -> dict[str, Any] | None:
         """A pending preemption of one of this run's nodes ({"deadline_s": seconds left or
@@ -142,8 +146,16 @@ class Runtime:
             shutil.rmtree(path, ignore_errors=True)
         self._fetched = []
 
+    def _patient(self, loc: Location) -> Location:
+        """`loc` on a filesystem that retries transient errors for `retry_s`: an attempt
+        that starts while object storage is briefly down waits for it, as uploads do,
+        instead of failing the run on its first listing."""
+        if not loc.is_s3:
+            return loc
+        return dataclasses.replace(loc, fs=retrying(loc.fs, self.retry_s))
+
     def _from_storage(self) -> Path | None:
-        loc = ckpt_mod.find_latest(self.run, self.allow_scratch)
+        loc = ckpt_mod.find_latest(self._patient(self.run), self.allow_scratch)
         return self._fetch(loc) if loc is not None else None
 
 
@@ -163,6 +175,8 @@ class RayRuntime(Runtime):
         self.retry_s = cfg.checkpoint.upload_retry_s
         self.sync_upload = cfg.checkpoint.upload == "sync"
         self._slots = threading.BoundedSemaphore(cfg.checkpoint.max_uploads_in_flight)
+        self._in_flight = 0
+        self._in_flight_lock = threading.Lock()
         if self.rank == 0 and not cfg.train.as_test:
             self.journal = Journal(self.run, f"attempt-{int(time.time() * 1000)}-rank0")
 
@@ -174,11 +188,12 @@ class RayRuntime(Runtime):
         would retrain a whole interval for nothing."""
         import ray.train
 
-        newest = ckpt_mod.find_latest(self.run, self.allow_scratch)
+        run = self._patient(self.run)
+        newest = ckpt_mod.find_latest(run, self.allow_scratch)
         reported = ray.train.get_checkpoint()
         if reported is not None:
             loc = dataclasses.replace(
-                self.run,  # the raw filesystem: Ray may hand a retrying wrapper
+                run,  # our own filesystem: Ray may hand its retrying wrapper of another
                 path=reported.path,
                 uri=("s3://" + reported.path) if self.run.is_s3 else reported.path,
             )
@@ -227,10 +242,15 @@ class RayRuntime(Runtime):
         if time.monotonic() - waited > 1.0:
             log.info("waited %.1f s for an upload slot", time.monotonic() - waited)
 
+        with self._in_flight_lock:
+            self._in_flight += 1
+
         def persist_async(ckpt: Any, name: str) -> Any:
             try:
                 return persist(ckpt, name)
             finally:
+                with self._in_flight_lock:
+                    self._in_flight -= 1
                 self._slots.release()
 
         ray.train.report(
@@ -242,6 +262,10 @@ class RayRuntime(Runtime):
             checkpoint_upload_fn=persist_async,
         )
         return True
+
+    def uploads_in_flight(self) -> int:
+        with self._in_flight_lock:
+            return self._in_flight
 
     def preemption(self) -> dict[str, Any] | None:
         import ray.train

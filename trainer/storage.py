@@ -270,10 +270,14 @@ class UploadError(UserError):
     past the retry budget): the checkpoint is not recorded, the previous one stays."""
 
 
+# What storage answered about a path, not a failure to reach it: never worth a retry.
+_ANSWERS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
+
+
 def is_transient(exc: BaseException) -> bool:
     """Storage errors worth retrying: throttling, a server briefly down or unreachable,
     timeouts. Missing permissions, buckets or space are not, whatever the SDK says."""
-    if not isinstance(exc, OSError):
+    if not isinstance(exc, OSError) or isinstance(exc, _ANSWERS):
         return False
     text = str(exc)
     return not any(p in text for p in _PERMANENT)

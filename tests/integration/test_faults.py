@@ -29,6 +29,7 @@ from tools import submit
 from trainer import checkpoint as ckpt_mod
 from trainer import journal
 from trainer.config import load_config
+from trainer.loop import REPORT_EVERY_S
 from trainer.metrics import read_records
 from trainer.storage import download_dir, resolve
 
@@ -220,6 +221,9 @@ def test_s3_outage_during_upload_is_retried_without_stopping_training(
             "path": f"s3://{s3_server['bucket']}/runs",
             "endpoint_override": s3_server["endpoint"],
         },
+        # Ample for an outage that ends three steps after it began; a run whose training
+        # stops during the outage fails here in minutes, not at the 300 s default.
+        checkpoint={"upload_retry_s": 150},
     )
     cfg = submit.absolutize(load_config(path, []), Path.cwd())
     held, release = 2 * EVERY, tmp_path / "release"
@@ -234,6 +238,11 @@ def test_s3_outage_during_upload_is_retried_without_stopping_training(
     _wait(lambda: _held(release, "upload", "train"), "step 50 held mid-upload", client, job_id)
     down_at = time.time()
     s3_server["server"].stop()
+    # Held this long, the run's periodic metrics report to Ray is due at the first step
+    # after the release. Ray hands reports over in order, behind the running upload: a
+    # report made now would stop training until storage came back (it did, and the
+    # upload then ran out of retries). Not a wait for an event: it makes the report due.
+    time.sleep(REPORT_EVERY_S + 0.5)
     release.touch()
     run = resolve(cfg.storage.path, cfg.storage.endpoint_override).join(cfg.run.name)
     after = f"step {held + 3}/{STEPS} "

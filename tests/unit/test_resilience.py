@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow.fs as pafs
 import pytest
@@ -129,6 +130,51 @@ def test_transient_vs_permanent():
     assert not is_transient(OSError("AccessDenied"))
     assert not is_transient(OSError("[Errno 28] No space left on device"))
     assert not is_transient(ValueError("bad"))
+    # What storage answered about a path is no failure to reach it: no retry for minutes.
+    assert not is_transient(FileNotFoundError("Path does not exist 'ckpt/run/x'"))
+    assert not is_transient(NotADirectoryError("not a directory"))
+
+
+def test_resume_lookup_waits_out_an_s3_outage(tmp_path, s3_server, caplog):
+    """A new attempt that starts while object storage is down (the worker group restarted
+    during an outage) retries its listing like an upload does, and resumes from the
+    newest complete checkpoint once storage is back, instead of failing the run."""
+    import logging
+    import threading
+
+    from trainer.runtime import Runtime
+
+    run = resolve(f"s3://{s3_server['bucket']}/lookup-outage", s3_server["endpoint"])
+    upload_checkpoint(_checkpoint(tmp_path), run.join("step_00000004"), 30)
+    rt = Runtime()
+    rt.run, rt.retry_s = run, 120.0
+    tried = threading.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "failed (try 1)" in record.getMessage():
+                tried.set()
+
+    seen = Seen()
+    logging.getLogger("trainer.storage").addHandler(seen)
+    got: list[Any] = []
+    server = s3_server["server"]
+    server.stop()
+    try:
+        lookup = threading.Thread(target=lambda: got.append(rt._from_storage()), daemon=True)
+        lookup.start()
+        deadline = time.monotonic() + 120
+        while not tried.wait(0.1):  # its first try failed, and it is retrying
+            assert lookup.is_alive(), "the lookup gave up while storage was down"
+            assert time.monotonic() < deadline, "the lookup never tried storage"
+        assert not got  # still waiting for storage, not failed
+    finally:
+        server.start()
+        logging.getLogger("trainer.storage").removeHandler(seen)
+    lookup.join(120)
+    assert got and got[0] is not None, got
+    assert json.loads((got[0] / "trainer_state.json").read_text())["step"] == 4
+    rt.release_fetched()
 
 
 def test_journal_merges_writers_and_summarizes(tmp_path):
