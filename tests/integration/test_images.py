@@ -111,6 +111,24 @@ def os_image(engine: engines.Engine) -> str:
     return tag
 
 
+def test_os_image_is_made_from_the_debian_archive(engine: engines.Engine, tmp_path: Path):
+    """What a fresh machine does first: mmdebstrap a Debian 12 root filesystem into a
+    tarball, import it as an image (the shared OS image above is usually reused, so this
+    path runs here every time, under a tag of its own)."""
+    if isinstance(engine, engines.DockerEngine):
+        pytest.skip("Docker pulls debian:bookworm-slim; nothing is made")
+    tag = f"localhost/raylift-test-os:{secrets.token_hex(4)}"
+    tarball = tmp_path / "os" / "bookworm-minbase.tar"
+    try:
+        assert osimage.make_os_image(tag, cache=tarball) == tag
+        assert tarfile.is_tarfile(tarball)
+        assert sorted(p.name for p in tarball.parent.iterdir()) == [tarball.name]  # no part
+        out = run_in(engine, tag, ["cat", "/etc/debian_version"], user="0:0")
+        assert out.returncode == 0 and out.stdout.startswith("12."), out
+    finally:
+        engine.remove(tag)
+
+
 def fake_ca(path: Path) -> bytes:
     """A PEM-armoured bundle of random bytes: unique, so finding it in a layer is a leak."""
     body = secrets.token_hex(48).upper()

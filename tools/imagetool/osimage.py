@@ -42,8 +42,10 @@ def make_os_image(tag: str = DEFAULT_OS_TAG, *, cache: Path | None = None,
     if not tarball.is_file():
         started = time.monotonic()
         log.info("mmdebstrap: making a minimal Debian %s root filesystem (a few minutes)", SUITE)
-        tmp = tarball.with_name(tarball.name + ".part")
-        cmd = ["mmdebstrap", "--variant=minbase", "--quiet", SUITE, str(tmp)]
+        # mmdebstrap picks its output format from the file's extension (a name it does not
+        # know makes a directory), so the format is explicit and the part keeps ".tar".
+        tmp = tarball.with_name(tarball.stem + ".part.tar")
+        cmd = ["mmdebstrap", "--variant=minbase", "--format=tar", "--quiet", SUITE, str(tmp)]
         run_text([*cmd, *([mirror] if mirror else [])], timeout=3600)
         tmp.replace(tarball)
         log.info("mmdebstrap took %.0f s", time.monotonic() - started)
