@@ -1,15 +1,19 @@
-"""Real image builds, a real registry, and (with RAYLIFT_IMAGE_TESTS=full) the real CPU chain.
+"""Real image builds, a real registry, and the real CPU chain running a Ray cluster.
 
 The engine is whatever `make image` would pick: Docker BuildKit where an engine answers,
 buildah otherwise (`.ci/run` installs buildah, podman, mmdebstrap, skopeo and docker-registry
 where they are missing, so CI never skips these). The OS image is Debian 12 made by
-`tools/image.py os-image` (mmdebstrap + podman import), reused once made.
+`tools/image.py os-image` (mmdebstrap + podman import), reused once made; one test makes
+it from the archive every run under a tag of its own.
 
-Default (make test): a two-image graph FROM that OS image, built by the tool's own code path
-with a made-up CA bundle as the `ca` build secret; every layer of the result is scanned for
-the bundle's bytes; the chain is pushed to a Distribution registry on 127.0.0.1 and pulled
-back by digest. RAYLIFT_IMAGE_TESTS=full builds base-cpu -> trainer-cpu from images/ and runs
-it: the entrypoint, Ray as uid 1000, the trainer CLI, DeepSpeed's prebuilt cpu_adam.
+- A two-image graph FROM that OS image, built by the tool's own code path with a made-up CA
+  bundle as the `ca` build secret; every layer of the result is scanned for the bundle's
+  bytes; the chain is pushed to a Distribution registry on 127.0.0.1 and pulled back by
+  digest.
+- base-cpu -> trainer-cpu built from images/ (about 4 min cold on 2 quiet cores), then run:
+  the entrypoint, Ray as uid 1000, the trainer CLI, DeepSpeed's prebuilt cpu_adam, and a
+  head and a worker container running doctor and the demo job.
+  `RAYLIFT_IMAGE_TESTS=quick` leaves the chain out (a quick local run); CI never does.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,7 +40,7 @@ from tools.imagetool import cli, osimage
 from tools.imagetool import engine as engines
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-FULL = os.environ.get("RAYLIFT_IMAGE_TESTS") == "full"
+QUICK = os.environ.get("RAYLIFT_IMAGE_TESTS") == "quick"
 pytestmark = pytest.mark.slow
 
 GRAPH = """\
@@ -292,7 +297,7 @@ def test_build_cli_names_the_engine_and_refuses_a_missing_wheelhouse(tmp_path, c
     assert err.out.startswith("engine: ")
 
 
-# ---- RAYLIFT_IMAGE_TESTS=full: the real CPU chain, built from images/ and run
+# ---- the real CPU chain, built from images/ and run (not with RAYLIFT_IMAGE_TESTS=quick)
 
 
 def torch_cpu_wheelhouse(tmp: Path) -> Path:
@@ -313,8 +318,10 @@ def torch_cpu_wheelhouse(tmp: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def cpu_chain(engine, os_image, tmp_path_factory):
-    if not FULL:
-        pytest.skip("the real CPU chain (~2 GB, minutes warm): set RAYLIFT_IMAGE_TESTS=full")
+    if QUICK:
+        pytest.skip(
+            "the real CPU chain (~2 GB, ~4 min cold) is left out: RAYLIFT_IMAGE_TESTS=quick"
+        )
     if os.environ.get("RAYLIFT_IMAGE_REF"):  # a trainer-cpu built already (make image-local)
         return os.environ["RAYLIFT_IMAGE_REF"]
     graph = tool.load_graph(tool.DEFAULT_GRAPH, REPO_ROOT)
@@ -374,7 +381,8 @@ def _answers(url: str, token: str) -> bool:
         return False
 
 
-def _alive_nodes(url: str, token: str) -> int:
+def _alive_nodes(url: str, token: str) -> list[str]:
+    """The addresses of the cluster's alive nodes, as Ray advertises them."""
     import urllib.request
 
     request = urllib.request.Request(
@@ -384,8 +392,12 @@ def _alive_nodes(url: str, token: str) -> int:
         with urllib.request.urlopen(request, timeout=5) as response:
             summary = json.load(response)["data"]["summary"]
     except (OSError, KeyError, ValueError):
-        return 0
-    return sum(1 for node in summary if node.get("raylet", {}).get("state") == "ALIVE")
+        return []
+    return [
+        node.get("ip") or node["raylet"].get("nodeManagerAddress", "?")
+        for node in summary
+        if node.get("raylet", {}).get("state") == "ALIVE"
+    ]
 
 
 def _descendants(root: int) -> list[int]:
@@ -413,13 +425,59 @@ def _wait(what: str, ready, procs, timeout: float = 300) -> None:
         time.sleep(0.5)
 
 
+_CLONE_NEWNET = 0x40000000
+
+
+@contextlib.contextmanager
+def loopback_netns() -> Iterator[str]:
+    """A network namespace with `lo` up and nothing else, held by a sleeping process.
+
+    Ray's `ray start` replaces a loopback --node-ip-address with the machine's address (the
+    one a route to the internet would use), so on the host network the containers'
+    traffic would leave loopback. In here that address does not exist: Ray finds no
+    route, stays on 127.0.0.1, and nothing can reach any other address."""
+    holder = subprocess.Popen(
+        ["unshare", "--net", "sh", "-c", "ip link set lo up && echo up && exec sleep infinity"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "up"
+        yield f"/proc/{holder.pid}/ns/net"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@contextlib.contextmanager
+def entered(netns: str | None) -> Iterator[None]:
+    """Run this thread (and what it starts: processes, threads, sockets) in `netns`."""
+    if netns is None:
+        yield
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    there = os.open(netns, os.O_RDONLY)
+    try:
+        if libc.setns(there, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns {netns}")
+        try:
+            yield
+        finally:
+            if libc.setns(home, _CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns back to this machine's network")
+    finally:
+        os.close(home)
+        os.close(there)
+
+
 def test_two_containers_run_a_cluster_and_the_demo_job(engine, cpu_chain, tmp_path: Path):
-    """Head and worker containers on the host network, token auth, a uid-1000 shared folder
+    """Head and worker containers on one loopback-only network, token auth, a uid-1000 shared folder
     at the same path in both, the node agent on the worker against a loopback IMDSv2 stub;
     then doctor and the demo job through the Jobs API, as against a real cluster."""
-    from tests.imds import FakeImds
-    from tools import submit, tiny
-    from trainer.config import load_config
+    from tools import tiny
 
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -429,13 +487,27 @@ def test_two_containers_run_a_cluster_and_the_demo_job(engine, cpu_chain, tmp_pa
     tiny.build_all(assets, rows=400)
     for path in [shared, *shared.rglob("*")]:
         os.chown(path, 1000, 1000)
-    gcs, dash, client_port, agent, agent2 = (free_port() for _ in range(5))
-    url = f"http://127.0.0.1:{dash}"
-    # `ray start` advertises the machine's own address in place of 127.0.0.1 (it refuses
-    # worker nodes otherwise); on the host network that address routes over `lo` too.
-    # The dashboard and Jobs API bind 127.0.0.1; gloo's sockets are pinned to `lo`.
+    # buildah's containers share the network of the process that starts them: this test
+    # starts them, and talks to them, from a loopback-only namespace (Docker's containers
+    # live in the daemon's network, so with Docker they use the host's). gloo's sockets
+    # are pinned to `lo` either way.
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(shared / "token"),
            "GLOO_SOCKET_IFNAME": "lo"}  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        netns = None
+        if not isinstance(engine, engines.DockerEngine):
+            netns = stack.enter_context(loopback_netns())
+        stack.enter_context(entered(netns))
+        _cluster_and_demo(engine, cpu_chain, tmp_path, shared, assets, token, env)
+
+
+def _cluster_and_demo(engine, cpu_chain, tmp_path, shared, assets, token, env) -> None:
+    from tests.imds import FakeImds
+    from tools import submit
+    from trainer.config import load_config
+
+    gcs, dash, client_port, agent, agent2 = (free_port() for _ in range(5))
+    url = f"http://127.0.0.1:{dash}"
     imds = FakeImds().start()
     head_cmd = [*ENTRY, "ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
                 f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
@@ -459,7 +531,8 @@ def test_two_containers_run_a_cluster_and_the_demo_job(engine, cpu_chain, tmp_pa
             procs.append(proc)
             if name == "head":
                 _wait("the head's Jobs API", lambda: _answers(f"{url}/api/version", token), procs)
-        _wait("two alive nodes", lambda: _alive_nodes(url, token) == 2, procs)
+        _wait("two alive nodes", lambda: len(_alive_nodes(url, token)) == 2, procs)
+        assert _alive_nodes(url, token) == ["127.0.0.1", "127.0.0.1"]
         # The agent polls the stub with an IMDSv2 session token.
         _wait("the node agent", lambda: any(r.path.startswith("/latest/meta-data")
                                             for r in imds.requests), procs)  # fmt: skip
