@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 
-def torchrun(args: list[str], nproc: int = 2, timeout: float = 1800) -> subprocess.CompletedProcess:
-    """`torchrun` on one node, rendezvous and gloo on loopback only."""
+def torchrun_command(args: list[str], nproc: int = 2) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of `torchrun` on one node, rendezvous and gloo on
+    loopback only."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -24,4 +25,9 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 1800) -> subproce
         f"--master_port={port}",
         *args,
     ]
+    return cmd, env
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: float = 1800) -> subprocess.CompletedProcess:
+    cmd, env = torchrun_command(args, nproc)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

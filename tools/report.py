@@ -70,16 +70,25 @@ def plot(run: dict[str, Any], out: Path, title: str) -> Path:
     return out
 
 
+def _panel(ax: Any, title: str, ylabel: str, rows: list[Any], empty: str) -> bool:
+    """A step-axis panel's frame; with no rows, says so in the panel and returns False."""
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if not rows:
+        ax.text(0.5, 0.5, empty, ha="center", transform=ax.transAxes)
+    return bool(rows)
+
+
 def _plot_memory(ax: Any, steps: list[dict[str, Any]]) -> None:
     """Peak memory per rank (from the records that carry every rank's values), the
     device's capacity as a line."""
     per_rank = [r for r in steps if "per_rank" in r]
-    ax.set_title("peak memory per worker")
-    ax.set_xlabel("step")
-    ax.set_ylabel("GiB (peak since the previous record)")
-    ax.grid(alpha=0.3)
-    if not per_rank:
-        ax.text(0.5, 0.5, "no per-worker records", ha="center", transform=ax.transAxes)
+    if not _panel(
+        ax, "peak memory per worker", "GiB (peak since the previous record)", per_rank,
+        "no per-worker records",
+    ):  # fmt: skip
         return
     ranks = len(per_rank[-1]["per_rank"]["mem_reserved_gib"])
     for rank in range(ranks):
@@ -98,12 +107,8 @@ def _plot_memory(ax: Any, steps: list[dict[str, Any]]) -> None:
 def _plot_phases(ax: Any, steps: list[dict[str, Any]]) -> None:
     """Where the step goes: mean seconds per step of each phase (over ranks), stacked."""
     rows = [r for r in steps if "t_fwd_bwd_s_mean" in r]
-    ax.set_title("step time breakdown (mean over workers)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("seconds per step")
-    ax.grid(alpha=0.3)
-    if not rows:
-        ax.text(0.5, 0.5, "no step-time records", ha="center", transform=ax.transAxes)
+    title = "step time breakdown (mean over workers)"
+    if not _panel(ax, title, "seconds per step", rows, "no step-time records"):
         return
     xs = [r["step"] for r in rows]
     ys = [[r.get(f"t_{p}_s_mean", 0.0) for r in rows] for p in PHASE_NAMES]

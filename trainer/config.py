@@ -307,6 +307,12 @@ class TrainSection(_Section):
     as_test: bool = Field(
         default=False, description="One forward/backward and one step, then exit (smoke test)."
     )
+    compile: bool = Field(
+        default=False,
+        description="torch.compile each decoder layer (ddp, fsdp). Needs a C compiler on "
+        "every node (inductor builds its kernels there); the first steps are slower while "
+        "it compiles. Off by default: on CPU it did not pay here (README, Performance).",
+    )
 
 
 class ScalingSection(_Section):
@@ -573,6 +579,11 @@ class JobConfig(_Section):
                     f"{t.global_batch_size} (which implies {derived}); set only one"
                 )
             object.__setattr__(t, "grad_accum", derived)
+        if t.compile and self.strategy.name == "deepspeed":
+            raise ValueError(
+                "train.compile: not supported with strategy deepspeed in this build (its "
+                "engine wraps the model; use ddp or fsdp, or leave compile off)"
+            )
         if s.elastic and self.strategy.name == "deepspeed":
             raise ValueError(
                 "scaling.num_workers: [min, max] (elastic) needs strategy ddp or fsdp; "

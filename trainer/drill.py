@@ -25,6 +25,10 @@ HOLD_WRITE_ENV = "RAYLIFT_FAULT_HOLD_WRITE"
 """STEP:PATH, the same form: holds only the background write of step STEP's checkpoint
 (trainer.staging) after its data files and before its manifest, until PATH exists;
 training goes on meanwhile, which is the point. The holder touches PATH.write.r<RANK>."""
+HOLD_UPLOAD_ENV = "RAYLIFT_FAULT_HOLD_UPLOAD"
+"""STEP:PATH, the same form: holds only step STEP's upload, before its manifests, until
+PATH exists; training goes on meanwhile (a background upload). The holder touches
+PATH.upload.r<RANK>."""
 HOLD_LIMIT_S = 900.0
 """A held run goes on by itself after this long, so a test that dies never leaves a job
 hanging on the cluster."""

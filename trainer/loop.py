@@ -496,6 +496,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         metrics_file.flush()
     if not cfg.train.as_test and end == steps and start < end:
         _write_probe(rt, strategy, train_blocks, device)
+    rt.finish()
     if rt.journal is not None:
         rt.journal.add("finished" if end == steps else "stopped", step=end)
     if tracker.names:

@@ -128,7 +128,27 @@ def run_all(cfg: JobConfig, strict: bool = True) -> Report:
     check_strategy(cfg, strict, report)
     check_storage(cfg, report)
     check_tracking(cfg, strict, report)
+    if strict:
+        check_compiler(cfg)
     return report
+
+
+def check_compiler(cfg: JobConfig) -> None:
+    """train.compile on a node without a C compiler fails at the first step, after the
+    model is loaded and sharded: refuse it before any worker starts."""
+    import os
+    import shutil
+
+    if not cfg.train.compile:
+        return
+    names = [os.environ.get("CC", ""), "cc", "gcc", "clang"]
+    if any(shutil.which(n) for n in names if n):
+        return
+    raise UserError(
+        "train.compile: no C compiler on this node (torch.compile builds its kernels on "
+        "every node, and the Raylift images ship none): use an image with build-essential "
+        "added, or set train.compile: false"
+    )
 
 
 TRACKER_PACKAGES = {"mlflow": "mlflow", "wandb": "wandb", "tensorboard": "tensorboardX"}

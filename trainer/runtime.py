@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,10 @@ class Runtime:
         """Checkpoint uploads of this rank still running in the background."""
         return 0
 
+    def finish(self) -> None:
+        """The run's loop is done: wait for what still runs in the background."""
+        return None
+
     def preemption(self) -> dict[str, Any] | None:
         """A pending preemption of one of this run's nodes ({"deadline_s": seconds left or
         None, "ranks": [...]}), else None. Collective: every rank calls it every step."""
@@ -107,9 +112,11 @@ class Runtime:
             if self.journal is not None:
                 self.journal.add("upload_retry", step=step, attempt=n, error=str(exc)[:300])
 
-        upload_checkpoint(
-            src, target, self.retry_s, on_retry, lambda: drill.hold(step, "upload", self.rank)
-        )
+        def before_manifests() -> None:
+            drill.hold(step, "upload", self.rank)
+            drill.hold(step, "upload", self.rank, drill.HOLD_UPLOAD_ENV)
+
+        upload_checkpoint(src, target, self.retry_s, on_retry, before_manifests)
         if self.journal is not None:
             self.journal.add(
                 "checkpoint",
@@ -301,8 +308,17 @@ class TorchrunRuntime(Runtime):
         self.retry_s = cfg.checkpoint.upload_retry_s
         if self.rank == 0 and not cfg.train.as_test:
             self.journal = Journal(self.run, f"attempt-{int(time.time() * 1000)}-rank0")
+        self.sync_upload = cfg.checkpoint.upload == "sync"
+        self.max_in_flight = cfg.checkpoint.max_uploads_in_flight
+        self._uploads: list[Future[None]] = []
+        self._uploader: ThreadPoolExecutor | None = None
+        self._upload_group: Any = None
         if self.world_size > 1:
             init_process_group(backend)
+            if not self.sync_upload:
+                # The background uploads' barriers run on a gloo group of their own, so
+                # they never interleave with the training collectives of the main thread.
+                self._upload_group = dist.new_group(backend="gloo")
 
     def latest_checkpoint(self) -> Path | None:
         return self._from_storage()
@@ -310,20 +326,71 @@ class TorchrunRuntime(Runtime):
     def report(
         self, metrics: dict[str, Any], step: int, ckpt_dir: Path | None, kind: str = "periodic"
     ) -> bool:
+        """Periodic checkpoints upload in the background (one thread per rank, in order, at
+        most `max_uploads_in_flight` queued or running: the next one waits here); the last
+        one, and every one with checkpoint.upload sync, is waited for."""
         if ckpt_dir is None:
             return False
+        if self.sync_upload or kind != "periodic":
+            self.wait_uploads()  # in order: the earlier ones first
+            self._persist(ckpt_dir, step, kind, group=None)
+            return False
+        self._reap()
+        waited = time.monotonic()
+        while len(self._uploads) >= self.max_in_flight:
+            self._uploads.pop(0).result()
+        if time.monotonic() - waited > 1.0:
+            log.info("waited %.1f s for an upload slot", time.monotonic() - waited)
+        if self._uploader is None:
+            self._uploader = ThreadPoolExecutor(1, thread_name_prefix="raylift-upload")
+
+        def persist() -> None:
+            try:
+                self._persist(ckpt_dir, step, kind, group=self._upload_group)
+            finally:
+                shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+        self._uploads.append(self._uploader.submit(persist))
+        return True
+
+    def _persist(self, ckpt_dir: Path, step: int, kind: str, group: Any) -> None:
+        def barrier() -> None:
+            if dist.is_initialized() and self.world_size > 1:
+                dist.barrier(group=group)
+
         target = self.run.join(ckpt_mod.dir_name(step))
         if self.rank == 0 and target.fs.get_file_info(target.path).type.name == "Directory":
             # Only a torn leftover can be here: a complete one at this step would have been
             # resumed from. Clear it so old files cannot pass for new ones.
             target.fs.delete_dir(target.path)
-        self.barrier()
+        barrier()
         self._upload(ckpt_dir, step, kind)
-        self.barrier()
+        barrier()
         if self.rank == 0:
             state, why = ckpt_mod.completeness(target)
             if state is None:
                 raise ckpt_mod.CheckpointError(f"{target.uri}: upload incomplete ({why})")
             ckpt_mod.prune(self.run, self.keep_last)
-        self.barrier()
-        return False
+        barrier()
+
+    def _reap(self) -> None:
+        """Drop finished uploads; one that failed fails the run here, on the main thread
+        (torchrun then stops every rank), rather than training on without checkpoints."""
+        done = [f for f in self._uploads if f.done()]
+        self._uploads = [f for f in self._uploads if not f.done()]
+        for f in done:
+            f.result()
+
+    def uploads_in_flight(self) -> int:
+        self._reap()
+        return len(self._uploads)
+
+    def wait_uploads(self) -> None:
+        while self._uploads:
+            self._uploads.pop(0).result()
+
+    def finish(self) -> None:
+        self.wait_uploads()
+        if self._uploader is not None:
+            self._uploader.shutdown()
+            self._uploader = None

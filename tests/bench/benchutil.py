@@ -333,3 +333,28 @@ def run_benchmark(
     return report(
         name, done, checks, title=title, metric=metric, unit=unit, setup=setup, out_dir=out_dir
     )
+
+
+def trainer_job(
+    assets: Mapping[str, Path], runs: Path, name: str, steps: int, block: int, micro: int,
+    log_every: int = 1,
+) -> dict[str, Any]:  # fmt: skip
+    """The job the trainer benchmarks run: the tiny model and corpus of `tools.tiny`, two
+    workers, a constant learning rate, a metrics record every `log_every` steps."""
+    return {
+        "model": {"path": str(assets["model"]), "special_tokens": str(assets["tokens"])},
+        "data": {"train_file": str(assets["train"]), "block_size": block},
+        "train": {"micro_batch_size": micro, "max_steps": steps, "log_every": log_every},
+        "optim": {"lr": 1e-3, "schedule": "constant"},
+        "scaling": {"num_workers": 2},
+        "storage": {"path": str(runs)},
+        "run": {"name": name},
+    }
+
+
+def steady_tokens_per_s(records: Sequence[Mapping[str, Any]], skip: float = 0.2) -> float:
+    """Tokens/s over a run's train records after the first `skip` share (warm-up)."""
+    steps = [r for r in records if r.get("event") == "train"]
+    steady = steps[int(len(steps) * skip) :]
+    tokens = steady[-1]["tokens_seen"] - steady[0]["tokens_seen"]
+    return tokens / (steady[-1]["time"] - steady[0]["time"])

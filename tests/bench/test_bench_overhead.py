@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.bench.benchutil import Check, run_benchmark, size
+from tests.bench.benchutil import Check, run_benchmark, size, steady_tokens_per_s, trainer_job
 from tests.helpers import torchrun
 from tools.tiny import build_all
 from trainer.metrics import read_records
@@ -55,13 +55,6 @@ def _torchrun(args: list[str]) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
 
 
-def _steady_tps(records: list[dict]) -> float:
-    steps = [r for r in records if r.get("event") == "train"]
-    steady = steps[len(steps) // 5 :]
-    tokens = steady[-1]["tokens_seen"] - steady[0]["tokens_seen"]
-    return tokens / (steady[-1]["time"] - steady[0]["time"])
-
-
 def _ratio(raylift: str):
     return lambda r: r[raylift]["tokens_per_s"] / r["bare_ddp"]["tokens_per_s"]
 
@@ -74,15 +67,7 @@ def test_trainer_overhead(ray_cluster, tmp_path):
 
     assets = build_all(tmp_path / "assets", rows=ROWS, hidden=HIDDEN, layers=LAYERS)
     runs = tmp_path / "runs"
-    job = {
-        "model": {"path": str(assets["model"]), "special_tokens": str(assets["tokens"])},
-        "data": {"train_file": str(assets["train"]), "block_size": BLOCK},
-        "train": {"micro_batch_size": MICRO, "max_steps": STEPS, "log_every": LOG_EVERY},
-        "optim": {"lr": 1e-3, "schedule": "constant"},
-        "scaling": {"num_workers": 2},
-        "storage": {"path": str(runs)},
-        "run": {"name": "overhead"},
-    }
+    job = trainer_job(assets, runs, "overhead", STEPS, BLOCK, MICRO, LOG_EVERY)
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     # Tokenize once, where the trainer will look for it, so no round pays for it and the
@@ -91,7 +76,7 @@ def test_trainer_overhead(ray_cluster, tmp_path):
     vocab = len(load_tokenizer(assets["model"], str(assets["tokens"])))  # as the trainer sizes it
 
     def tps(run_name: str) -> float:
-        return _steady_tps(read_records(resolve(str(runs)).join(run_name, "metrics.jsonl")))
+        return steady_tokens_per_s(read_records(resolve(str(runs)).join(run_name, "metrics.jsonl")))
 
     def raylift_torchrun(i: int) -> dict[str, float]:
         _torchrun(["-m", "trainer", "run", str(path), "--set", f"run.name=torchrun-{i}"])

@@ -61,6 +61,49 @@ def test_torchrun_text_format_trains_checkpoints_and_exports(job, tmp_path):
     assert events.stat().st_size > 1000
 
 
+def test_torchrun_trains_on_while_a_checkpoint_uploads(job, tmp_path):
+    """Under torchrun a periodic checkpoint uploads in the background: with step 4's upload
+    held before its manifests, training goes on to step 8, whose checkpoint then waits for
+    the one upload slot (step 9 does not start); released, every checkpoint completes."""
+    import time
+
+    from tests.helpers import torchrun_command
+    from trainer import checkpoint as ckpt_mod
+    from trainer import journal
+
+    release = tmp_path / "release"
+    cmd, env = torchrun_command(["-m", "trainer", "run", str(job("bg"))])
+    env["RAYLIFT_FAULT_HOLD_UPLOAD"] = f"4:{release}"
+    out = tmp_path / "torchrun.log"
+    with out.open("w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+
+        def wait_for(what: str, ready, timeout: float) -> None:
+            deadline = time.monotonic() + timeout
+            while not ready():
+                assert proc.poll() is None, f"ended waiting for {what}: {out.read_text()[-3000:]}"
+                assert time.monotonic() < deadline, f"{what}: {out.read_text()[-3000:]}"
+                time.sleep(0.2)
+
+        markers = [release.with_name(f"release.upload.r{r}") for r in (0, 1)]
+        wait_for("step 4's upload held", lambda: all(m.exists() for m in markers), 600)
+        # Four tiny steps take seconds even on a loaded machine; a step that waited for
+        # the held upload would never get there.
+        wait_for("step 8 trained", lambda: "step 8/12 " in out.read_text(), 180)
+        assert "step 9/12 " not in out.read_text()  # the second checkpoint waits for a slot
+        release.touch()
+        assert proc.wait(timeout=600) == 0, out.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    run = resolve(str(tmp_path / "runs")).join("bg")
+    saved = [r["step"] for r in journal.read(run) if r["event"] == "checkpoint"]
+    assert saved == [4, 8, 12], saved
+    for _, loc in ckpt_mod.list_checkpoints(run):
+        assert ckpt_mod.completeness(loc)[0] is not None, loc.uri
+
+
 def test_torchrun_bad_config_is_one_line(job):
     res = torchrun(job("bad"), "train.micro_batch_size=zero")
     assert res.returncode != 0

@@ -94,6 +94,10 @@ def test_contradicting_grad_accum(tmp_path):
             "(deepspeed loads the model without adapters and would train every weight)",
         ),
         (
+            ["strategy.name=deepspeed", "train.compile=true"],
+            "train.compile: not supported with strategy deepspeed in this build",
+        ),
+        (
             ["strategy.name=deepspeed", "optim.name=adamw8bit"],
             "optim.name: adamw8bit is not available with strategy deepspeed",
         ),
@@ -219,3 +223,22 @@ def test_lr_schedule_matches_hugging_faces_step_by_step(schedule, hf_name, extra
         )
     assert ours == pytest.approx(theirs, abs=1e-12)
     assert ours[0] == (0.0 if w else cfg.optim.lr)
+
+
+def test_compile_without_a_c_compiler_is_refused_before_any_worker_starts(monkeypatch, tmp_path):
+    """torch.compile builds kernels with the node's C compiler: without one, the driver
+    refuses the job in one line (it would fail at step 1, after loading and sharding)."""
+    from trainer import preflight
+    from trainer.config import load_config
+    from trainer.errors import UserError
+
+    path = tmp_path / "job.yaml"
+    path.write_text("model: {path: m}\ndata: {train_file: t.jsonl}\nrun: {name: c}\n")
+    cfg = load_config(path, ["train.compile=true"])
+    preflight.check_compiler(cfg)  # this machine has one
+    monkeypatch.setenv("PATH", str(tmp_path))  # and now none
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(UserError) as err:
+        preflight.check_compiler(cfg)
+    assert str(err.value).startswith("train.compile: no C compiler on this node")
+    preflight.check_compiler(load_config(path, []))  # compile off: nothing needed

@@ -63,6 +63,10 @@ class DDPStrategy(ModelCalls):
                     p.data = p.data.float()
         if quant is None:
             model.to(device)
+        if cfg.train.compile:
+            from trainer.strategies.fsdp import compile_layers, decoder_layers
+
+            compile_layers(decoder_layers(model, None))
         self.hf = model
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
             ids = [device.index] if device.type == "cuda" else None

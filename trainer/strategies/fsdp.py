@@ -122,6 +122,8 @@ class FSDPStrategy(ModelCalls):
             from trainer.parallel.tp import apply_tp
 
             apply_tp(layers, model.config, self.mesh["tp"])
+        if cfg.train.compile:
+            compile_layers(layers)  # per block, before sharding (as torchtitan does)
         bf16 = self.device.type == "cuda" and cfg.train.precision == "bf16"
         kwargs: dict[str, Any] = {
             "mesh": self.mesh["dp"],
@@ -528,6 +530,14 @@ def clip_grad_norm_mesh(
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
     return norm
+
+
+def compile_layers(layers: list[torch.nn.Module]) -> None:
+    """torch.compile each decoder layer in place (`Module.compile`: parameter names, and so
+    checkpoints and exports, stay as they are). One layer's graph is reused by every layer
+    of the same shape, so compile time does not grow with depth."""
+    for layer in layers:
+        layer.compile()
 
 
 def decoder_layers(model: torch.nn.Module, layer_class: str | None) -> list[torch.nn.Module]:

@@ -1,0 +1,92 @@
+"""`train.compile`: tokens/s of the Raylift loop with each decoder layer compiled by
+torch.compile, against the same run eager (issue 23: measure it on CPU, keep it off by
+default where it does not help).
+
+Both commands run the trainer under torchrun (2 gloo workers, DDP, fp32, CPU) on the same
+tokens, interleaved round by round; tokens/s is wall-clock over the steps after the first
+40% (compilation happens in the first steps and is not what a long run pays per step). The
+compiled run must train the same model: its losses step for step match the eager run's
+within float tolerance (a wrong graph would show here), checked in every round, smoke runs
+included. Target: compiled ≥ 1.05 × eager, i.e. compile has to pay for the C compiler it
+needs on every node.
+
+Sizes: RAYLIFT_BENCH_STEPS, RAYLIFT_BENCH_HIDDEN, RAYLIFT_BENCH_LAYERS, RAYLIFT_BENCH_REPEATS.
+"""
+
+from __future__ import annotations
+
+import math
+
+import yaml
+
+from tests.bench.benchutil import Check, run_benchmark, size, steady_tokens_per_s, trainer_job
+from tests.helpers import torchrun
+from tools.tiny import build_all
+from trainer.config import load_config
+from trainer.launch import prepare_inputs
+from trainer.metrics import read_records
+from trainer.storage import resolve
+
+STEPS = size("RAYLIFT_BENCH_STEPS", 100, 12, minimum=10)
+HIDDEN = size("RAYLIFT_BENCH_HIDDEN", 256, 64)
+LAYERS = size("RAYLIFT_BENCH_LAYERS", 4, 2)
+BLOCK, MICRO = 128, 8
+ROWS = size("RAYLIFT_BENCH_ROWS", 8000, 1500)
+TARGET = 1.05
+
+
+def test_compile_speed_and_same_losses(tmp_path):
+    assets = build_all(tmp_path / "assets", rows=ROWS, hidden=HIDDEN, layers=LAYERS)
+    runs = tmp_path / "runs"
+    job = trainer_job(assets, runs, "compile", STEPS, BLOCK, MICRO)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    prepare_inputs(load_config(path, []), progress=False)  # tokenized once, for every run
+    losses: dict[str, list[float]] = {}
+
+    def run(name: str, *sets: str) -> dict[str, float]:
+        args = ["-m", "trainer", "run", str(path), "--set", f"run.name={name}"]
+        for s in sets:
+            args += ["--set", s]
+        res = torchrun(args)
+        assert res.returncode == 0, res.stderr[-3000:]
+        records = read_records(resolve(str(runs)).join(name, "metrics.jsonl"))
+        steps = [r for r in records if r.get("event") == "train"]
+        assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+        losses[name] = [r["loss"] for r in steps]
+        return {"tokens_per_s": steady_tokens_per_s(steps, skip=0.4)}
+
+    def eager(i: int) -> dict[str, float]:
+        return run(f"eager-{i}")
+
+    def compiled(i: int) -> dict[str, float]:
+        got = run(f"compiled-{i}", "train.compile=true")
+        want = losses[f"eager-{i}"]  # interleaved: this round's eager run came first
+        worst = max(abs(a - b) for a, b in zip(losses[f"compiled-{i}"], want, strict=True))
+        # Fused kernels reorder float sums: the same model within fp32 noise, not bitwise.
+        assert math.isfinite(worst) and worst < 2e-4 * max(want), (worst, want[:5])
+        return got
+
+    run_benchmark(
+        "compile",
+        title="train.compile: compiled decoder layers vs eager (2 gloo workers, CPU)",
+        commands={"eager": eager, "compiled": compiled},
+        checks=[
+            Check(
+                "ratio_compiled",
+                lambda r: r["compiled"]["tokens_per_s"] / r["eager"]["tokens_per_s"],
+                TARGET,
+                unit="× eager",
+            )
+        ],
+        metric="tokens_per_s",
+        unit="tokens/s",
+        setup={
+            "workers": 2,
+            "backend": "gloo",
+            "block_size": BLOCK,
+            "micro_batch": MICRO,
+            "steps": STEPS,
+            "model": f"Llama hidden {HIDDEN}, {LAYERS} layers, fp32, CPU",
+        },
+    )
