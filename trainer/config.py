@@ -311,7 +311,7 @@ class TrainSection(_Section):
         default=False,
         description="torch.compile each decoder layer (ddp, fsdp). Needs a C compiler on "
         "every node (inductor builds its kernels there); the first steps are slower while "
-        "it compiles. Off by default: on CPU it did not pay here (README, Performance).",
+        "it compiles. Off by default: on CPU it did not pay here (README, Strategies).",
     )
 
 
