@@ -236,6 +236,7 @@ def test_tiny_chain_builds_keeps_no_ca_and_round_trips_a_registry(
     seconds = tool.run_build(plan, root, client, engine=engine, settings=settings)
     print(f"tiny chain built in {sum(seconds.values()):.0f} s")
     parent, child = (image.ref for image in plan.images)
+    made = [ref for image in plan.images for ref in image.refs]
     try:
         # The RUN saw the secret: it recorded the bundle's hash...
         files = {name: data for _, name, data in layer_files(engine, parent, tmp_path / "p")}
@@ -247,6 +248,7 @@ def test_tiny_chain_builds_keeps_no_ca_and_round_trips_a_registry(
 
         # Push both (the tool's push path), pull each back by digest: the same image.
         push_plan = tool.make_plan(graph, version="9.9.9", git=git, registry=registry)
+        made += [ref for image in push_plan.images for ref in image.refs]
         if isinstance(engine, engines.DockerEngine):
             pytest.skip("registry round trip through Docker is covered by make push")
         pushed = tool.push.run_push_engine(push_plan, engine, region=None, attempts=2)
@@ -262,9 +264,8 @@ def test_tiny_chain_builds_keeps_no_ca_and_round_trips_a_registry(
             config = json.loads(raw)["config"]["digest"]
             assert config == engine.image_id(image.ref.replace(f"{registry}/", ""))
     finally:
-        for image in plan.images:
-            for ref in image.refs:
-                engine.remove(ref)
+        for ref in made:  # the registry-tagged ones too: nothing of the test stays behind
+            engine.remove(ref)
 
 
 def test_a_baked_ca_is_found_by_the_layer_scan(engine, os_image, tmp_path: Path) -> None:
@@ -368,6 +369,18 @@ def test_cpu_image_runs_the_trainer_as_uid_1000_with_cpu_adam_prebuilt(engine, c
     assert op.returncode == 0 and "cpu_adam" in op.stdout, op.stderr[-2000:]
     health = run_in(engine, cpu_chain, ["/usr/local/bin/raylift-healthcheck"])
     assert health.returncode == 0
+    # The image's trainer is this checkout's, file for file: a warm build must not keep an
+    # older one (buildah once did, through a cached RUN that installed it).
+    digest = (
+        "import hashlib, pathlib, trainer; root = pathlib.Path(trainer.__file__).parent; "
+        "print(hashlib.sha256(b''.join(p.relative_to(root).as_posix().encode() + p.read_bytes() "
+        "for p in sorted(root.rglob('*.py')))).hexdigest())"
+    )
+    inside = run_in(engine, cpu_chain, ["python", "-c", digest])
+    here = subprocess.run([sys.executable, "-c", digest], capture_output=True, text=True,
+                          cwd=REPO_ROOT)  # fmt: skip
+    assert inside.returncode == 0, inside.stderr[-2000:]
+    assert inside.stdout.strip() == here.stdout.strip(), "the image holds another trainer"
 
 
 def _answers(url: str, token: str) -> bool:
