@@ -61,6 +61,11 @@ REPORT_EVERY_S = 5.0
 """Seconds between metric-only ray.train.report calls; every step still goes to the
 metrics file and the log, and every checkpoint is reported at once."""
 
+PREEMPTION_CHECK_S = 1.0
+"""Seconds between asks for a preemption notice. Ray Train's get_preemption_info() is a
+barrier through its synchronization actor (two actor calls per rank), too dear for every
+step; Ray itself polls for node drains every 5 s, and a spot notice gives two minutes."""
+
 
 @dataclass
 class Prepared:
@@ -129,17 +134,18 @@ def _target_count(labels: Any) -> int:
 
 
 def _targets_per_rank(
-    micro: list[tuple[Any, ...]], device: torch.device, world: int
-) -> torch.Tensor:
+    micro: list[tuple[Any, ...]], device: torch.device, world: int, flags: list[float]
+) -> tuple[torch.Tensor, list[float]]:
     """The loss divisor that makes a step's loss the mean over every target token of the
     global batch (all micro-batches, all ranks): each micro-batch's loss is its token sum
     over this, and the strategies average the gradients over ranks. With masked prompts
     the micro-batches hold different numbers of targets, so a mean of per-batch means
     would weigh tokens unequally, and a batch of prompt tokens only would be NaN; a
-    global batch with no target at all trains nothing (loss 0)."""
+    global batch with no target at all trains nothing (loss 0). The same all-reduce
+    carries `flags` (summed over ranks), so a per-step decision costs no collective."""
     local = sum(_target_count(batch[1]) for batch in micro)
-    (total,) = _all_reduce_sum([float(local)], device, world)
-    return torch.tensor(max(total, 1.0) / world, device=device)
+    total, *agreed = _all_reduce_sum([float(local), *flags], device, world)
+    return torch.tensor(max(total, 1.0) / world, device=device), agreed
 
 
 def _all_reduce_sum(values: list[float], device: torch.device, world: int) -> list[float]:
@@ -342,13 +348,17 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     last: dict[str, Any] = {}
     strategy.model.train()
     window_start, window_tokens = time.perf_counter(), 0
-    last_report = time.monotonic()
+    last_report = last_preemption_check = time.monotonic()
     preempted: dict[str, Any] | None = None
     for step in range(start, end):
         t0 = time.perf_counter()
+        # Rank 0's clock decides when every rank asks Ray for a preemption notice.
+        ask = rt.rank == 0 and time.monotonic() - last_preemption_check >= PREEMPTION_CHECK_S
         with stats.phase("data"):
             micro = batches.micro_batches(step)
-            per_rank = _targets_per_rank(micro, device, rt.world_size)
+            per_rank, (ask_preemption,) = _targets_per_rank(
+                micro, device, rt.world_size, [float(ask)]
+            )
         loss_acc = torch.zeros((), device=device)
         with stats.phase("fwd_bwd"):
             for m, (ids, labels, *segs) in enumerate(micro):
@@ -370,7 +380,8 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         is_last = done == end
         # A spot notice (a node drain seen by Ray) checkpoints at once; Ray restarts the
         # group off the node after it, so the steps since the last checkpoint are kept.
-        if preempted is None and not cfg.train.as_test:
+        if preempted is None and not cfg.train.as_test and ask_preemption > 0:
+            last_preemption_check = time.monotonic()
             preempted = rt.preemption()
             if preempted is not None and rt.rank == 0:
                 log.warning(

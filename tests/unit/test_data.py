@@ -199,8 +199,9 @@ def test_step_loss_is_the_token_mean_over_micro_batches_even_with_a_prompt_only_
     some = ids[1].copy()
     some[:, :10] = IGNORE  # 6 targets per row (positions 10-15), 12 in all
     micro = [(ids[0], prompt_only), (ids[1], some)]
-    per_rank = _targets_per_rank(micro, torch.device("cpu"), world=1)
+    per_rank, flags = _targets_per_rank(micro, torch.device("cpu"), world=1, flags=[1.0])
     assert float(per_rank) == 12.0
+    assert flags == [1.0]  # what rides along in the same all-reduce comes back
     with torch.no_grad():
         step_loss = sum(
             model(
