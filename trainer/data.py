@@ -142,6 +142,37 @@ class TokenizerFiles:
         return self._loaded
 
 
+class ShippedTokenizer:
+    """What encoding needs from a Hugging Face tokenizer, cheap to send to a cluster task:
+    the Rust tokenizer (it pickles as its JSON), the EOS id, the chat template and the
+    length. Unpickling the full tokenizer imports transformers, seconds of one CPU in every
+    fresh worker process of every node; here that happens only if a chat row needs the
+    template renderer (the full tokenizer rides along, pickled, for exactly that)."""
+
+    def __init__(self, tokenizer: Any):
+        import pickle
+
+        self.backend_tokenizer = tokenizer.backend_tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+        self.chat_template = getattr(tokenizer, "chat_template", None)
+        self._len = len(tokenizer)
+        self._full_pickle = pickle.dumps(tokenizer)
+        self._full: Any = None
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_full": None}
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        if self._full is None:
+            import pickle
+
+            self._full = pickle.loads(self._full_pickle)
+        return self._full.apply_chat_template(*args, **kwargs)
+
+
 def source_fingerprint(src: SourceFile) -> str:
     """Cheap identity of a possibly huge file: path, size, mtime, and for local files the
     bytes at both ends. S3 objects are identified by key, size and mtime (reading them

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from trainer.data import Settings, ShardStats, tokenize_file
+from trainer.data import Settings, ShardStats, ShippedTokenizer, tokenize_file
 from trainer.errors import DataError, UserError
 from trainer.sources import SourceFile
 
@@ -88,7 +88,11 @@ def tokenize_on_cluster(
     log.info("tokenizing %d files with Ray Data across the cluster", len(sources))
     ds = ray.data.from_items(items, override_num_blocks=len(items)).map(
         _tokenize_row,
-        fn_kwargs={"folder": str(folder), "tokenizer": tokenizer, "settings": settings},
+        fn_kwargs={
+            "folder": str(folder),
+            "tokenizer": ShippedTokenizer(tokenizer),
+            "settings": settings,
+        },
         num_cpus=1,
         runtime_env={"env_vars": _task_env()},
     )

@@ -1,9 +1,11 @@
 """One data-pipeline run in a fresh process (for a clean peak RSS):
-data_worker.py raylift|hf|hf2|reads|ray1|ray2 MODEL CORPUS BLOCK WORKDIR OUT.json
+data_worker.py raylift|hf|hf2|reads|ray1|ray2|procs1|procs2 MODEL CORPUS BLOCK WORKDIR OUT.json
 
 reads: read every block of one epoch, in training order, from the cache `raylift` built
 in WORKDIR. rayN: tokenize CORPUS (a folder of files) with Ray Data on a local cluster of
-N one-CPU nodes (the cluster's start is not timed)."""
+N one-CPU nodes (the cluster's start is not timed). procsN: the same files split over N
+plain processes of one tokenizer thread each, no Ray: what N cores of this machine give
+this work, start-up of the processes included (the ceiling for rayN)."""
 
 from __future__ import annotations
 
@@ -81,6 +83,36 @@ def on_ray(model: str, corpus: str, block: int, workdir: str, nodes: int) -> tup
     return len(PackedBlocks(cache, block)) * block, seconds
 
 
+def _one_thread() -> None:
+    os.environ["RAYON_NUM_THREADS"] = "1"  # before tokenizers starts its thread pool
+
+
+def _tokenize_files(model: str, files: list[str], folder: str) -> int:
+    from trainer.data import Settings, tokenize_file
+    from trainer.model import load_tokenizer
+    from trainer.sources import list_sources
+
+    tok = load_tokenizer(Path(model), None)
+    tokens = 0
+    for name in files:
+        (src,) = list_sources(name)
+        stats = tokenize_file(src, Path(name).stem, Path(folder), tok, Settings(), overlap=False)
+        tokens += stats.tokens
+    return tokens
+
+
+def on_processes(model: str, corpus: str, block: int, workdir: str, n: int) -> int:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    files = sorted(str(p) for p in Path(corpus).iterdir() if p.is_file())
+    parts = [files[i::n] for i in range(n)]
+    ctx = multiprocessing.get_context("spawn")  # fresh interpreters, as Ray's workers are
+    with ProcessPoolExecutor(n, mp_context=ctx, initializer=_one_thread) as pool:
+        counts = pool.map(_tokenize_files, [model] * n, parts, [workdir] * n)
+        return sum(counts) // block * block  # whole blocks, as PackedBlocks counts them
+
+
 def hf(model: str, corpus: str, block: int, workdir: str, num_proc: int | None) -> int:
     from datasets import load_dataset
     from transformers import AutoTokenizer
@@ -120,6 +152,8 @@ def main() -> None:
         tokens = raylift(model, corpus, int(block), workdir)
     elif kind == "reads":
         tokens = reads(model, corpus, int(block), workdir)
+    elif kind.startswith("procs"):
+        tokens = on_processes(model, corpus, int(block), workdir, int(kind[5:]))
     elif kind.startswith("ray"):
         tokens, seconds = on_ray(model, corpus, int(block), workdir, int(kind[3:]))
     else:  # "hf" is run_clm's default (one process), "hf2" uses both cores

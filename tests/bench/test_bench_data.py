@@ -1,9 +1,11 @@
 """Data pipeline: tokenize + pack throughput and peak RSS of Raylift's streaming
 tokenizer against Hugging Face `datasets` map + group_texts (transformers' run_clm
 recipe, with its default of one process and with num_proc=2), on the same generated
-corpus (200 MB by default). Targets: ≥ 3× the throughput of run_clm's default, and a peak
-RSS that does not grow with corpus size (Raylift is also run on a quarter of the corpus:
-peak RSS on the full one ≤ 1.25× that).
+corpus (200 MB by default). Targets: ≥ 1.5× the throughput of run_clm's default on the
+same cores (issues 12 and 23; issue 2 first asked for 3×, then measured that both sides
+spend most of their time in the same Rust tokenizer, so the gap is run_clm's Arrow and
+group_texts work only), and a peak RSS that does not grow with corpus size (Raylift is
+also run on a quarter of the corpus: peak RSS on the full one ≤ 1.25× that).
 
 Each pipeline runs in its own process, so peak RSS is that process's own high-water mark,
 and in a fresh work folder, so no run reuses an earlier run's cache. The four commands run
@@ -26,6 +28,7 @@ from tools.tiny import build_all, qa_pair
 
 CORPUS_MB = size("RAYLIFT_BENCH_DATA_MB", 200, 4, minimum=4)
 BLOCK = 1024
+SPEEDUP_TARGET = 1.5  # issues 12 and 23
 HERE = Path(__file__).resolve().parent
 
 
@@ -94,7 +97,9 @@ def test_data_pipeline(tmp_path):
             "hf_num_proc_2": command("hf2", big),
         },
         checks=[
-            Check("speedup", _ratio("raylift", "hf_run_clm", "tokens_per_s"), 3.0, unit="×"),
+            Check(
+                "speedup", _ratio("raylift", "hf_run_clm", "tokens_per_s"), SPEEDUP_TARGET, unit="×"
+            ),
             Check(
                 "rss_growth_4x_corpus",
                 _ratio("raylift", "raylift_quarter_corpus", "peak_rss_mb"),

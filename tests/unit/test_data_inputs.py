@@ -297,3 +297,58 @@ def test_batches_and_the_read_ahead_thread_change_no_byte(tmp_path, tokenizer, m
         )
     assert out["whole"] == out["ahead"] == out["inline"]
     assert out["whole"][2] == len(ROWS) + len(CHAT) + 7
+
+
+SHIPPED_WORKER = """
+import pickle, sys
+from pathlib import Path
+from trainer.data import Settings, tokenize_file
+from trainer.sources import list_sources
+
+tok = pickle.loads(Path(sys.argv[1]).read_bytes())
+settings = pickle.loads(Path(sys.argv[2]).read_bytes())
+for name in sys.argv[4:]:
+    (src,) = list_sources(name)
+    tokenize_file(src, Path(name).stem, Path(sys.argv[3]), tok, settings, overlap=False)
+    print(Path(name).stem, "transformers" in sys.modules)
+"""
+
+
+def test_a_shipped_tokenizer_encodes_text_without_transformers_and_chat_the_same(
+    tmp_path, tokenizer
+):
+    """Cluster tasks get a ShippedTokenizer: a fresh worker process tokenizes text rows
+    without importing transformers (seconds of a node's CPU per worker), renders chat rows
+    with the full tokenizer's template all the same, and writes the very shards the full
+    tokenizer writes."""
+    import pickle
+    import subprocess
+    import sys
+
+    from trainer.data import ShippedTokenizer, tokenize_file
+    from trainer.sources import list_sources
+
+    text = write(tmp_path / "in" / "text.jsonl", ROWS)
+    chat = write(tmp_path / "in" / "chat.jsonl", CHAT)
+    settings = Settings(chat_template=TEMPLATE)
+    (tmp_path / "tok.pkl").write_bytes(pickle.dumps(ShippedTokenizer(tokenizer)))
+    (tmp_path / "settings.pkl").write_bytes(pickle.dumps(settings))
+    shipped, full = tmp_path / "shipped", tmp_path / "full"
+    shipped.mkdir()
+    full.mkdir()
+    res = subprocess.run(
+        [sys.executable, "-c", SHIPPED_WORKER, str(tmp_path / "tok.pkl"),
+         str(tmp_path / "settings.pkl"), str(shipped), str(text), str(chat)],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    # text first: no transformers; the chat file needed the template renderer
+    assert res.stdout.split() == ["text", "False", "chat", "True"]
+    for path in (text, chat):
+        (src,) = list_sources(str(path))
+        tokenize_file(src, path.stem, full, tokenizer, settings, overlap=False)
+    written = sorted(p.name for p in full.iterdir())
+    assert written == sorted(p.name for p in shipped.iterdir())
+    assert any(n.endswith(".mask") for n in written)  # the chat rows' loss mask is compared too
+    for name in written:
+        assert (shipped / name).read_bytes() == (full / name).read_bytes(), name
