@@ -32,7 +32,7 @@ SPEEDUP_TARGET = 1.5  # issues 12 and 23
 HERE = Path(__file__).resolve().parent
 
 
-def make_corpus(path: Path, megabytes: int, seed: int = 0) -> Path:
+def make_corpus(path: Path, megabytes: float, seed: int = 0) -> Path:
     rng = random.Random(seed)
     with open(path, "w") as f:
         while f.tell() < megabytes * 1_000_000:

@@ -28,16 +28,16 @@ from tests.bench.benchutil import Check, run_benchmark, size
 from tests.bench.test_bench_data import make_corpus
 from tools.tiny import build_all
 
-CORPUS_MB = size("RAYLIFT_BENCH_SCALE_MB", 160, 16, minimum=16)
+CORPUS_MB = size("RAYLIFT_BENCH_SCALE_MB", 160, 8, minimum=8)
 FILES = 8
 BLOCK = 1024
 HERE = Path(__file__).resolve().parent
 
 
-def sharded_corpus(folder: Path, megabytes: int, seed: int) -> Path:
+def sharded_corpus(folder: Path, megabytes: float, seed: int) -> Path:
     folder.mkdir(parents=True)
     for i in range(FILES):
-        make_corpus(folder / f"part-{i:03d}.jsonl", max(megabytes // FILES, 1), seed=seed * 100 + i)
+        make_corpus(folder / f"part-{i:03d}.jsonl", megabytes / FILES, seed=seed * 100 + i)
     return folder
 
 
