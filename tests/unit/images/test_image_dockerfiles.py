@@ -91,6 +91,29 @@ def test_image_rules(dockerfile: Path) -> None:
             assert "--mount=type=cache,target=/root/.cache/pip" in run, (
                 f"{where}: pip without a cache mount: {run[:80]}"
             )
+        if downloads(run):  # behind a TLS-inspecting proxy it fails without the bundle
+            assert "--mount=type=secret,id=ca," in run, (
+                f"{where}: a RUN that downloads without the `ca` build secret: {run[:80]}"
+            )
+
+
+def downloads(run: str) -> bool:
+    """A RUN that reaches an index or a repository over TLS: a pip download or wheel build,
+    a pip install from a lock or a pin (not a local wheel file), a git clone."""
+    local_wheel = "--no-build-isolation" in run and "--no-deps" in run  # built from the context
+    return bool(
+        re.search(r"\bpip download\b|\bgit clone\b", run)
+        or (re.search(r"\bpip wheel\b", run) and not local_wheel)
+        or (re.search(r"\bpip (install|wheel)\b", run) and re.search(r"-r /|==|\$\(grep", run))
+    )
+
+
+def test_every_download_rule_sees_a_download_without_the_ca_secret(tmp_path: Path) -> None:
+    bad = "RUN --mount=type=cache,target=/root/.cache/pip \\\n    pip download -r /tmp/x.lock -d /w"
+    (run,) = re.findall(r"^RUN (?:.*\\\n)*.*$", bad, flags=re.MULTILINE)
+    assert downloads(run) and "--mount=type=secret,id=ca," not in run
+    assert not downloads("RUN pip install --no-cache-dir --no-deps /tmp/wheels/x-1.whl")
+    assert not downloads("RUN pip wheel --no-deps --no-build-isolation -w /wheels .")
 
 
 def test_base_is_a_ray_node_and_a_trainer_entrypoint() -> None:
