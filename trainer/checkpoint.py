@@ -292,8 +292,8 @@ class StrategyPart:
         self.strategy.save_state(out / "strategy", rank)
 
     def stage(self, out: Path, rank: int) -> staging.Writer | None:
-        """The strategy's staged save where it has one (DDP, FSDP), else an inline save
-        (DeepSpeed: its engine writes its own files) and nothing left to write."""
+        """The strategy's staged save where it has one (all of today's), else an inline
+        save and nothing left to write."""
         stage = getattr(self.strategy, "stage_state", None)
         if stage is None:
             self.save(out, rank)

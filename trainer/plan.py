@@ -355,9 +355,11 @@ class HostMemory:
     """Only on rank 0's node: the full model consolidated on CPU to write the export."""
     staging: float = 0.0
     """Every rank: the host-memory copy of its resume state that a checkpoint stages
-    while the background thread writes it (trainer.staging): FSDP's shard."""
+    while the background thread writes it (trainer.staging): FSDP's shard, ZeRO's
+    optimizer partition."""
     staging_rank0: float = 0.0
-    """Rank 0 only: the same for DDP and adapters, whose rank 0 writes the whole state."""
+    """Rank 0 only: the same for DDP and adapters, whose rank 0 writes the whole state,
+    and ZeRO-2's module weights."""
 
 
 def activation_bytes(shape: ModelShape, s: Setup, checkpointing: bool) -> float:
@@ -623,8 +625,10 @@ def host_memory(shape: ModelShape, s: Setup, rank: RankMemory) -> HostMemory:
 def _staging_bytes(shape: ModelShape, s: Setup) -> dict[str, float]:
     """The staging copy of one checkpoint (trainer.staging): fp32 trainable weights and
     their optimizer state, in host RAM until the background write is done. FSDP stages
-    each rank's shard (DCP async_save); DDP and adapters stage on rank 0 only; DeepSpeed
-    writes inline through its engine and stages nothing."""
+    each rank's shard (DCP async_save); DDP and adapters stage on rank 0 only; ZeRO-2/3
+    stage each rank's optimizer partition (fp32 master + moments: what DeepSpeed's
+    save_checkpoint hands its checkpoint engine), and under ZeRO-2 rank 0 also the module
+    state dict in the compute dtype (ZeRO-3 saves placeholders there)."""
     if s.adapter != "none":
         lora = shape.lora_params(s.lora_r, list(s.lora_targets))
         return {"staging_rank0": float((4 + s.optim_bytes) * lora)}
@@ -634,7 +638,10 @@ def _staging_bytes(shape: ModelShape, s: Setup) -> dict[str, float]:
         share, _, _ = _rank_params(shape, s)
         dp = max(s.world // (s.tp * s.pp), 1)
         return {"staging": float((4 + s.optim_bytes) * share / dp)}
-    return {}
+    partition = {"staging": float((4 + s.optim_bytes) * shape.params / s.world)}
+    if s.strategy == "zero2":
+        return {**partition, "staging_rank0": float(s.c * shape.params)}
+    return partition
 
 
 def _export_bytes(shape: ModelShape, s: Setup) -> float:

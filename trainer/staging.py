@@ -15,6 +15,7 @@ flight (the planner counts one: `trainer.plan.host_memory`, `staging`).
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
@@ -33,21 +34,31 @@ Writer = Callable[[], None]
 
 def snapshot(obj: Any, pin: bool = False) -> Any:
     """A copy of a (nested) state dict whose tensors are fresh host-memory copies, so the
-    optimizer may step on while the copy is written. Non-tensor leaves are shared (ints,
-    floats, strings: immutable). `pin` (GPUs) copies into page-locked memory."""
+    optimizer may step on while the copy is written. Containers are rebuilt, immutable
+    leaves (numbers, strings, shapes) shared, any other object deep-copied. `pin` (GPUs)
+    copies into page-locked memory."""
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         if pin and t.device.type == "cuda":
             out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             return out.copy_(t, non_blocking=True)
         return t.to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return type(obj)((k, snapshot(v, pin)) for k, v in obj.items())
+    if isinstance(obj, dict):  # OrderedDict, defaultdict: the same type, a new object
+        out = copy.copy(obj)
+        for k, v in obj.items():
+            out[k] = snapshot(v, pin)
+        return out
     if isinstance(obj, list):
         return [snapshot(v, pin) for v in obj]
-    if isinstance(obj, tuple):
+    if type(obj) is tuple:
         return tuple(snapshot(v, pin) for v in obj)
-    return obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(snapshot(v, pin) for v in obj))
+    if obj is None or isinstance(obj, str | bytes | int | float | complex | torch.Size):
+        return obj  # immutable leaves
+    # Any other object (DeepSpeed's loss scaler, a set of names): a deep copy, or the step
+    # after this one could change what the background thread writes.
+    return copy.deepcopy(obj)
 
 
 def copy_done() -> None:

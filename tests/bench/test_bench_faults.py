@@ -5,10 +5,13 @@
   past the checkpoint the restart resumed from). Targets: < 20 s, lost ≤ one interval.
 - checkpoint stall: the extra wall time a checkpoint step costs over a plain step (from
   the per-step records' timestamps), with `checkpoint.upload: sync` and `async`, storage
-  on the S3 server. Target: the async stall < 10% of the sync stall.
+  on the S3 server, for each strategy (DDP, FSDP2, ZeRO-2, ZeRO-3). Target, for every
+  one of them: the async stall < 10% of the sync stall.
 
 Sizes: RAYLIFT_BENCH_HIDDEN / RAYLIFT_BENCH_LAYERS (the stall model), rounds:
-RAYLIFT_BENCH_REPEATS."""
+RAYLIFT_BENCH_REPEATS, strategies: RAYLIFT_BENCH_STALL_STRATEGIES (comma-separated; a
+smoke run takes ZeRO-2 only: the harness is the same for all, and each strategy's staging
+is tested in tests/unit/test_staging.py and the fault tests)."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from tests.bench.benchutil import Check, run_benchmark, size
+from tests.bench.benchutil import Check, run_benchmark, size, smoke
 from tests.conftest import S3_KEY, S3_SECRET, WeedServer, base_job
 from tests.integration.test_ray_train import _train_workers, history, launch, run_to_end
 from tools import submit
@@ -93,8 +96,26 @@ def _stall(records: list[dict[str, Any]]) -> float:
     return statistics.mean(ck) - statistics.median(plain)
 
 
+DEEPSPEED_CONFIGS = Path(__file__).resolve().parents[2] / "trainer" / "configs" / "deepspeed"
+STALL_STRATEGIES: dict[str, dict[str, Any]] = {
+    "ddp": {"name": "ddp"},
+    "fsdp": {"name": "fsdp"},
+    "zero2": {"name": "deepspeed", "config": str(DEEPSPEED_CONFIGS / "zero2.json")},
+    "zero3": {"name": "deepspeed", "config": str(DEEPSPEED_CONFIGS / "zero3.json")},
+}
+
+
+def stall_strategies() -> list[str]:
+    default = "zero2" if smoke() else ",".join(STALL_STRATEGIES)
+    names = [n for n in os.environ.get("RAYLIFT_BENCH_STALL_STRATEGIES", default).split(",") if n]
+    unknown = sorted(set(names) - set(STALL_STRATEGIES))
+    assert not unknown, f"RAYLIFT_BENCH_STALL_STRATEGIES: unknown {unknown}"
+    return names
+
+
 def test_checkpoint_stall_async_vs_sync(ray_cluster, tmp_path):
     cluster = ray_cluster
+    strategies = stall_strategies()
     hidden = size("RAYLIFT_BENCH_HIDDEN", 512, 64)
     layers = size("RAYLIFT_BENCH_LAYERS", 6, 2)
     tiny = build_all(tmp_path / "model", rows=3000, eval_rows=50, hidden=hidden, layers=layers)
@@ -105,14 +126,15 @@ def test_checkpoint_stall_async_vs_sync(ray_cluster, tmp_path):
     storage = {"path": "s3://ckpt/stall", "endpoint_override": server.endpoint}
     try:
 
-        def mode(upload: str):
+        def mode(strategy: str, upload: str):
             def once(i: int) -> dict[str, float]:
                 path = _job(
                     tiny,
                     tmp_path,
-                    f"stall-{upload}-{i}",
+                    f"stall-{strategy}-{upload}-{i}",
                     train={"max_steps": 4 * EVERY + 5, "eval_every": None},
                     checkpoint={"every_steps": EVERY, "upload": upload},
+                    strategy=STALL_STRATEGIES[strategy],
                     storage=storage,
                 )
                 cfg, _, _ = run_to_end(cluster, path)
@@ -120,23 +142,36 @@ def test_checkpoint_stall_async_vs_sync(ray_cluster, tmp_path):
 
             return once
 
+        def ratio(name: str):
+            def of(r: dict[str, dict[str, float]]) -> float:
+                sync, async_ = r[f"{name}_sync"]["stall_s"], r[f"{name}_async"]["stall_s"]
+                return max(async_, 0.0) / max(sync, 1e-9)
+
+            return of
+
+        checks = []
+        for name in strategies:
+            checks += [
+                Check(f"{name}_async_over_sync", ratio(name), 0.10, False),
+                Check(
+                    f"{name}_sync_stall_s", lambda r, n=name: r[f"{n}_sync"]["stall_s"], unit="s"
+                ),
+                Check(
+                    f"{name}_async_stall_s", lambda r, n=name: r[f"{n}_async"]["stall_s"], unit="s"
+                ),
+            ]
         run_benchmark(
             "checkpoint_stall",
             title=f"Training stall per checkpoint (S3 storage, hidden {hidden} × {layers})",
-            commands={"sync": mode("sync"), "async": mode("async")},
-            checks=[
-                Check(
-                    "async_over_sync",
-                    lambda r: max(r["async"]["stall_s"], 0.0) / max(r["sync"]["stall_s"], 1e-9),
-                    0.10,
-                    False,
-                ),
-                Check("sync_stall_s", lambda r: r["sync"]["stall_s"], unit="s"),
-                Check("async_stall_s", lambda r: r["async"]["stall_s"], unit="s"),
-            ],
+            commands={
+                f"{name}_{upload}": mode(name, upload)
+                for name in strategies
+                for upload in ("sync", "async")
+            },
+            checks=checks,
             metric="stall_s",
             unit="s",
-            setup={"hidden": hidden, "layers": layers, "every": EVERY},
+            setup={"hidden": hidden, "layers": layers, "every": EVERY, "strategies": strategies},
         )
     finally:
         server.stop()

@@ -143,7 +143,7 @@ def test_zero2_optimizer_offload_puts_16_bytes_per_param_over_n_on_the_host():
     assert P.host_memory(L7, s, r).offload == pytest.approx(16 * M / 8)
 
 
-def test_7b_zero3_offload_on_16_a10g_fits_and_needs_18_m_over_n_k_host_ram_per_node():
+def test_7b_zero3_offload_on_16_a10g_fits_and_needs_30_m_over_n_k_host_ram_per_node():
     s = Setup(
         "zero3",
         world=16,
@@ -169,8 +169,10 @@ def test_7b_zero3_offload_on_16_a10g_fits_and_needs_18_m_over_n_k_host_ram_per_n
         (1, 8, False),
     ]
     worker = lay.nodes[1]
+    # And a checkpoint stages a copy of the fp32 master + Adam partition: 12 B / N more.
+    assert host.staging == pytest.approx(12 * M / 16)
     assert worker.host_need == pytest.approx(
-        P.HOST_NODE_RESERVE + 8 * (P.HOST_PER_GPU_PROCESS + 18 * M / 16)
+        P.HOST_NODE_RESERVE + 8 * (P.HOST_PER_GPU_PROCESS + 30 * M / 16)
     )
     # Rank 0's node also consolidates the 16-bit export: 2·M more.
     assert lay.nodes[0].host_need == pytest.approx(worker.host_need + 2 * M)
@@ -398,7 +400,9 @@ def test_submit_skips_the_plan_when_its_inputs_are_only_on_the_cluster(tmp_path,
 def test_checkpoint_staging_copy_is_counted_in_host_ram():
     """A checkpoint stages a host copy of the resume state while it is written in the
     background (trainer.staging): FSDP every rank's fp32 shard and its Adam moments
-    (12 B per param / N), DDP the whole state on rank 0 only, DeepSpeed nothing."""
+    (12 B per param / N), DDP the whole state on rank 0 only, ZeRO-2/3 each rank's
+    optimizer partition (fp32 master + moments, 12 B / N) and ZeRO-2's rank 0 the bf16
+    module weights (2 B per param)."""
     fsdp = Setup("fsdp", world=16, precision="bf16")
     host = P.host_memory(L7, fsdp, rank_memory(L7, fsdp))
     assert host.staging == pytest.approx(12 * M / 16) and host.staging_rank0 == 0
@@ -412,4 +416,8 @@ def test_checkpoint_staging_copy_is_counted_in_host_ram():
     assert host.staging == 0 and host.staging_rank0 == pytest.approx(12 * M)
     zero3 = Setup("zero3", world=16, precision="bf16")
     host = P.host_memory(L7, zero3, rank_memory(L7, zero3))
-    assert host.staging == host.staging_rank0 == 0
+    assert host.staging == pytest.approx(12 * M / 16) and host.staging_rank0 == 0
+    zero2 = Setup("zero2", world=16, precision="bf16")
+    host = P.host_memory(L7, zero2, rank_memory(L7, zero2))
+    assert host.staging == pytest.approx(12 * M / 16)
+    assert host.staging_rank0 == pytest.approx(2 * M)

@@ -5,7 +5,9 @@ process, a real DDP strategy on a tiny Llama, no Ray."""
 
 from __future__ import annotations
 
+import os
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -83,17 +85,124 @@ def test_a_failed_background_write_fails_the_wait_and_leaves_no_manifest(tmp_pat
     staging.wait_written(folder)  # nothing pending any more: returns at once
 
 
+class _Scaler:
+    def __init__(self) -> None:
+        self.cur_scale = 1.0
+
+
 def test_snapshot_copies_tensors_and_keeps_structure():
     t = torch.arange(4.0)
-    state = {"a": t, "b": [t, (t, 3)], "c": "x"}
+    scaler = _Scaler()
+    shapes = OrderedDict(w=torch.Size([2, 2]))
+    state = {"a": t, "b": [t, (t, 3)], "c": "x", "scaler": scaler, "shapes": shapes}
     copy = staging.snapshot(state)
     t.add_(1)
+    scaler.cur_scale = 0.5  # the next step's loss scale must not reach the staged copy
     assert torch.equal(copy["a"], torch.arange(4.0))
     assert torch.equal(copy["b"][1][0], torch.arange(4.0)) and copy["b"][1][1] == 3
     assert copy["c"] == "x" and isinstance(copy["b"][1], tuple)
+    assert copy["scaler"].cur_scale == 1.0
+    assert type(copy["shapes"]) is OrderedDict and type(copy["shapes"]["w"]) is torch.Size
 
 
 def _local(path: Path):
     from trainer.storage import resolve
 
     return resolve(str(path))
+
+
+# ------------------------------------------------------------------ DeepSpeed (2 ranks)
+
+
+def _ds_worker(rank: int, stage: int, model: str, init: str, out: str) -> None:
+    import gc
+
+    import torch.distributed as dist
+
+    from trainer.config import load_config
+    from trainer.strategies import ModelSource, build_strategy
+
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)  # DeepSpeed asks for it, as torchrun and Ray set it
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    config = Path(__file__).resolve().parents[2] / f"trainer/configs/deepspeed/zero{stage}.json"
+    cfg = load_config(
+        {
+            "model": {"path": model},
+            "data": {"train_file": "unused.jsonl", "block_size": 16},
+            "train": {"micro_batch_size": 2, "max_steps": 8},
+            "strategy": {"name": "deepspeed", "config": str(config)},
+            "scaling": {"num_workers": 2},
+            "run": {"name": "ds-staging"},
+        }
+    )
+    s = build_strategy(cfg, torch.device("cpu"), rank, 2)
+    s.setup(ModelSource(Path(model), VOCAB))
+    s.model.train()
+
+    def step(s, seed: int) -> None:
+        x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed + rank))
+        with s.accumulating(True):
+            s.backward(s.model(input_ids=x, labels=x).loss)
+        s.step()
+
+    step(s, 0)
+    inline, staged = Path(out) / "inline", Path(out) / "staged"
+    # Both saves see the same state: the inline one is DeepSpeed's own save_checkpoint.
+    s.save_state(inline, rank)
+    write = s.stage_state(staged, rank)
+    for seed in (1, 2, 3):  # three optimizer steps change every partition in place
+        step(s, seed)
+    write()  # only now are the staged files written
+    dist.barrier()
+    del s
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _same(a, b, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert type(a) is type(b) and list(a) == list(b), where
+        for k in a:
+            _same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}[{i}]")
+    elif hasattr(a, "__dict__") and not isinstance(a, type):  # e.g. DeepSpeed's loss scaler
+        assert type(a) is type(b), where
+        _same(vars(a), vars(b), where)
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_staged_files_are_its_own_files_of_the_saved_step(model_dir, tmp_path, stage):  # noqa: F811
+    """DeepSpeed's save_checkpoint, run against the staging checkpoint engine, writes the
+    files it writes inline (same names, same contents once loaded) even though three
+    optimizer steps ran before the background writer did."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(
+        _ds_worker,
+        args=(stage, str(model_dir), str(tmp_path / "pg"), str(tmp_path)),
+        nprocs=2,
+        start_method="spawn",
+        join=True,
+    )
+    inline = tmp_path / "inline"
+    names = sorted(str(p.relative_to(inline)) for p in inline.rglob("*") if p.is_file())
+    staged = sorted(
+        str(p.relative_to(tmp_path / "staged"))
+        for p in (tmp_path / "staged").rglob("*")
+        if p.is_file()
+    )
+    assert staged == names
+    states = [n for n in names if n.endswith(".pt")]
+    assert any("optim_states" in n for n in states) and any("model_states" in n for n in states)
+    for name in states:
+        want = torch.load(inline / name, map_location="cpu", weights_only=False)
+        got = torch.load(tmp_path / "staged" / name, map_location="cpu", weights_only=False)
+        _same(want, got, name)

@@ -9,6 +9,12 @@ Resume state (layout `deepspeed/1`): DeepSpeed's own checkpoint folder (`ds/`), 
 optimizer partition file per rank. The export gathers the 16-bit (compute-dtype) weights
 on rank 0 and saves a plain Hugging Face folder.
 
+A checkpoint step does not write those files: `engine.save_checkpoint` runs as usual (its
+barriers, its folders, its choice of which rank writes what) with a checkpoint engine
+that copies each state dict it is handed into host memory instead of serialising it; the
+engine's own checkpoint engine then writes the copies on the background thread
+(trainer.staging), the same files, byte for byte the same serialisation.
+
 On CPU (`DS_ACCELERATOR=cpu`, gloo) DeepSpeed JIT-compiles its C++ ops on first use
 (about 30 s each on 2 cores; the inference-only shared-memory comm op is skipped);
 `TORCH_EXTENSIONS_DIR` defaults to a cache shared by every process on the node, so the
@@ -18,6 +24,7 @@ build is paid once per node, not per worker or per run.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import tempfile
@@ -26,7 +33,7 @@ from typing import Any
 
 import torch
 
-from trainer import dsconfig
+from trainer import dsconfig, staging
 from trainer.config import DeepSpeedOptions, JobConfig
 from trainer.errors import CheckpointError, UserError
 from trainer.model import load_model, model_config
@@ -182,6 +189,25 @@ class DeepSpeedStrategy(ModelCalls):
     def save_state(self, out: Path, rank: int) -> None:
         self.engine.save_checkpoint(str(out / "ds"), tag=TAG, save_latest=False)
 
+    def stage_state(self, out: Path, rank: int) -> staging.Writer:
+        """Collective, like `save_state`: DeepSpeed's save runs now against a staging
+        checkpoint engine (host-memory copies of the state dicts it would write); the
+        returned writer serialises them with the engine's own checkpoint engine."""
+        own = self.engine.checkpoint_engine
+        staged = _staging_engine_class()(pin=self.device.type == "cuda")
+        self.engine.checkpoint_engine = staged
+        try:
+            self.engine.save_checkpoint(str(out / "ds"), tag=TAG, save_latest=False)
+        finally:
+            self.engine.checkpoint_engine = own
+        files = staged.take()
+
+        def write() -> None:
+            for path, state in files:
+                own.save(state, path)
+
+        return write
+
     def load_state(self, ckpt: Path, rank: int) -> None:
         if not (ckpt / "ds" / TAG).is_dir():
             raise CheckpointError(f"{ckpt}/ds/{TAG}: no DeepSpeed checkpoint")
@@ -277,3 +303,43 @@ def _flatten(value: Any) -> list[Any]:
     if isinstance(value, list | tuple):
         return [t for v in value for t in _flatten(v)]
     return []
+
+
+@functools.cache
+def _staging_engine_class() -> type:
+    """`StagingCheckpointEngine`, a subclass of DeepSpeed's CheckpointEngine, defined on
+    first use so that importing this module does not import deepspeed."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+    class StagingCheckpointEngine(CheckpointEngine):
+        """For one save: `save(state_dict, path)` keeps a host-memory copy
+        (trainer.staging.snapshot: every tensor copied, so the optimizer may step on)
+        instead of writing; `take()` hands the copies over. Folders are still made at
+        once (DeepSpeed makes them, and copies its recovery scripts, inline)."""
+
+        def __init__(self, pin: bool) -> None:
+            super().__init__(None)
+            self.name = "RayliftStagingCheckpointEngine"
+            self.pin = pin
+            self._files: list[tuple[str, Any]] = []
+
+        def create(self, info: Any) -> None:
+            pass
+
+        def save(self, state_dict: Any, path: str) -> None:
+            self._files.append((path, staging.snapshot(state_dict, self.pin)))
+
+        def load(self, path: str, map_location: Any = None) -> Any:
+            raise CheckpointError("the staging checkpoint engine only saves")
+
+        def commit(self, info: Any) -> bool:
+            return True
+
+        def preserves_storage_sharing(self) -> bool:
+            return False  # the snapshot is a compact copy already: no clone needed
+
+        def take(self) -> list[tuple[str, Any]]:
+            files, self._files = self._files, []
+            return files
+
+    return StagingCheckpointEngine
