@@ -45,7 +45,7 @@ format: $(STAMP)
 	$(BIN)/python -m ruff check --fix .
 
 bench: $(STAMP)
-	RAYLIFT_BENCH_SMOKE= $(BIN)/python -m pytest tests/bench -s -o testpaths=tests/bench
+	RAYLIFT_BENCH_SMOKE= RAYLIFT_RAY_DEFAULTS=1 $(BIN)/python -m pytest tests/bench -s -o testpaths=tests/bench
 
 # Every GPU path (strategies × 1 GPU and all GPUs, bf16) trained, resumed, exported and
 # measured against the planner: README "Proving the GPU paths". Without CUDA: the CPU

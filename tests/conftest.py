@@ -26,20 +26,24 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-# The controller polls its workers this often (Ray's default 2 s): a finished or failed
-# worker group is noticed sooner, which every one of the many short test runs pays.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-# How often Ray Train looks for drained (preempted) nodes; its 5 s default suits a
-# two-minute spot notice, the fault tests give notices of seconds.
-os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
-# The GCS declares a node dead after missing health checks (30 s by Ray's defaults); the
-# node-loss tests kill raylets, and a real node loss is noticed faster than a slow test.
-os.environ.setdefault("RAY_health_check_period_ms", "1000")
-os.environ.setdefault("RAY_health_check_timeout_ms", "1000")
-os.environ.setdefault("RAY_health_check_failure_threshold", "3")
-# After a node loss, Ray Train's elastic policy may first try the old size on stale
-# resource data and wait this long (60 s by default) before settling for fewer workers.
-os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
+# Ray's timings, shortened for tests. `make bench` sets RAYLIFT_RAY_DEFAULTS=1 and keeps
+# Ray's own values, which a production cluster runs with: a benchmark of Ray Train's
+# per-step cost or of recovery time must not measure test-only polling rates.
+if not os.environ.get("RAYLIFT_RAY_DEFAULTS"):
+    # The controller polls its workers this often (Ray's default 2 s): a finished or failed
+    # worker group is noticed sooner, which every one of the many short test runs pays.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    # How often Ray Train looks for drained (preempted) nodes; its 5 s default suits a
+    # two-minute spot notice, the fault tests give notices of seconds.
+    os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
+    # The GCS declares a node dead after missing health checks (30 s by Ray's defaults); the
+    # node-loss tests kill raylets, and a real node loss is noticed faster than a slow test.
+    os.environ.setdefault("RAY_health_check_period_ms", "1000")
+    os.environ.setdefault("RAY_health_check_timeout_ms", "1000")
+    os.environ.setdefault("RAY_health_check_failure_threshold", "3")
+    # After a node loss, Ray Train's elastic policy may first try the old size on stale
+    # resource data and wait this long (60 s by default) before settling for fewer workers.
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
 # No test may reach the EC2 metadata service (169.254.169.254): the AWS SDKs (boto3 and
 # pyarrow's C++ one) ask it for credentials and region when none are set.
 os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
