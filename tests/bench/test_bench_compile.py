@@ -29,7 +29,7 @@ from trainer.storage import resolve
 
 STEPS = size("RAYLIFT_BENCH_STEPS", 100, 12, minimum=10)
 HIDDEN = size("RAYLIFT_BENCH_HIDDEN", 256, 64)
-LAYERS = size("RAYLIFT_BENCH_LAYERS", 4, 2)
+LAYERS = size("RAYLIFT_BENCH_LAYERS", 4, 1)  # smoke: one layer, one graph to compile
 BLOCK, MICRO = 128, 8
 ROWS = size("RAYLIFT_BENCH_ROWS", 8000, 1500)
 TARGET = 1.05
