@@ -13,7 +13,8 @@ A checkpoint step does not write those files: `engine.save_checkpoint` runs as u
 barriers, its folders, its choice of which rank writes what) with a checkpoint engine
 that copies each state dict it is handed into host memory instead of serialising it; the
 engine's own checkpoint engine then writes the copies on the background thread
-(trainer.staging), the same files, byte for byte the same serialisation.
+(trainer.staging): the same files, with the same serialisation (a file can be smaller:
+the copies are compact where DeepSpeed would have pickled a view's whole storage).
 
 On CPU (`DS_ACCELERATOR=cpu`, gloo) DeepSpeed JIT-compiles its C++ ops on first use
 (about 30 s each on 2 cores; the inference-only shared-memory comm op is skipped);
