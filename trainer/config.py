@@ -480,6 +480,13 @@ class TrackingSection(_Section):
         description="Export per-worker memory and step times as Ray metrics (dashboard, "
         "Prometheus scrape of the cluster).",
     )
+    close_timeout_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="At the end of an attempt, seconds the trackers get for their last sends "
+        "(a failed attempt gets at most 10); what is still unsent then is counted, and the "
+        "next attempt resends it from metrics.jsonl.",
+    )
 
     @field_validator("tensorboard", mode="before")
     @classmethod

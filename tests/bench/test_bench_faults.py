@@ -10,10 +10,12 @@
   the async stall the training thread itself spent in the checkpoint (`blocked`); the
   rest is the background write and upload competing with training for the same cores.
 
-Sizes: RAYLIFT_BENCH_HIDDEN / RAYLIFT_BENCH_LAYERS (the stall model), rounds:
-RAYLIFT_BENCH_REPEATS, strategies: RAYLIFT_BENCH_STALL_STRATEGIES (comma-separated; a
-smoke run takes ZeRO-2 only: the harness is the same for all, and each strategy's staging
-is tested in tests/unit/test_staging.py and the fault tests)."""
+Sizes: RAYLIFT_BENCH_HIDDEN / RAYLIFT_BENCH_LAYERS (the stall model),
+RAYLIFT_BENCH_STALL_CHECKPOINTS (checkpoints per stall run), RAYLIFT_BENCH_RECOVERY_STEPS
+(the recovery run's length), rounds: RAYLIFT_BENCH_REPEATS, strategies:
+RAYLIFT_BENCH_STALL_STRATEGIES (comma-separated; a smoke run takes ZeRO-2 only: the harness
+is the same for all, and each strategy's staging is tested in tests/unit/test_staging.py
+and the fault tests)."""
 
 from __future__ import annotations
 
@@ -38,11 +40,15 @@ from trainer.metrics import read_records
 from trainer.storage import resolve
 
 EVERY = 25
+# Smoke runs train fewer steps: the recovery kill lands at step 2 × EVERY + 5 (polled every
+# 20 ms, so 45 steps to spare), the stall runs checkpoint twice instead of four times.
+RECOVERY_STEPS = size("RAYLIFT_BENCH_RECOVERY_STEPS", 200, 100, minimum=4 * EVERY)
+STALL_CHECKPOINTS = size("RAYLIFT_BENCH_STALL_CHECKPOINTS", 4, 2)
 
 
 def _job(tiny: dict[str, Path], root: Path, name: str, **sections: dict[str, Any]) -> Path:
     data = copy.deepcopy(base_job(tiny, root / "runs", name))
-    data["train"].update({"max_steps": 200, "eval_every": None})
+    data["train"].update({"max_steps": RECOVERY_STEPS, "eval_every": None})
     data["checkpoint"].update({"every_steps": EVERY, "keep_last": 2})
     data["run"]["max_failures"] = 3
     for section, values in sections.items():
@@ -144,7 +150,7 @@ def test_checkpoint_stall_async_vs_sync(ray_cluster, tmp_path):
                     tiny,
                     tmp_path,
                     f"stall-{strategy}-{upload}-{i}",
-                    train={"max_steps": 4 * EVERY + 5, "eval_every": None},
+                    train={"max_steps": STALL_CHECKPOINTS * EVERY + 5, "eval_every": None},
                     checkpoint={"every_steps": EVERY, "upload": upload},
                     strategy=STALL_STRATEGIES[strategy],
                     storage=storage,

@@ -264,7 +264,7 @@ def test_lora_adapter_and_merged_exports_reproduce_logits(ray_cluster, job, tiny
     lora = {"adapter": "lora", "lora": {"merge_on_export": True}}
     # An MLflow server that is down for the whole run (nothing listens on its port): the
     # run trains, restarts and exports all the same, and says what it could not send.
-    down = {"mlflow": {"tracking_uri": f"http://127.0.0.1:{_closed_port()}"}}
+    down = {"mlflow": {"tracking_uri": f"http://127.0.0.1:{_closed_port()}"}, "close_timeout_s": 3}
     path = job("lora", model=lora, optim={"lr": 1e-2}, tracking=down)
     cfg, summary, logs = _run_killed(ray_cluster, path)
     assert "tracker mlflow: open failed" in logs

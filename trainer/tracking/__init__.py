@@ -29,8 +29,9 @@ from trainer.tracking.sender import Outcome, Sender
 log = logging.getLogger("trainer.tracking")
 
 STATE_FILE = "tracking.json"
-CLOSE_TIMEOUT_S = 30.0
-"""How long the end of an attempt waits for trackers to take what is queued."""
+FAILED_CLOSE_TIMEOUT_S = 10.0
+"""The most a failed attempt waits for trackers to take what is queued (Ray tears its
+worker group down soon after); otherwise `tracking.close_timeout_s`."""
 
 _SECRET_KEY = re.compile(r"(^|_)(token|secret|password|passwd|key|apikey|credentials?)$", re.I)
 _USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.I)
@@ -249,7 +250,9 @@ class Tracker(NullTracker):
             _ACTIVE.remove(self)
         for name, backend in self.backends.items():
             self.senders[name].put("close", lambda be=backend: be.close(status), points=0)
-        timeout = CLOSE_TIMEOUT_S if status != "failed" else min(CLOSE_TIMEOUT_S, 10.0)
+        timeout = self.cfg.tracking.close_timeout_s
+        if status == "failed":
+            timeout = min(timeout, FAILED_CLOSE_TIMEOUT_S)
         deadline = time.monotonic() + timeout
         outcomes = [s.close(max(0.0, deadline - time.monotonic())) for s in self.senders.values()]
         try:  # events_until for the next attempt
