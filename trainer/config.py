@@ -392,6 +392,14 @@ class CheckpointSection(_Section):
         ge=1,
         description="Async uploads queued or running at once; a checkpoint due beyond it waits.",
     )
+    background_nice: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description="Nice value of the threads that write and upload checkpoints in the "
+        "background (and the transfer threads they start), so they take the CPU only when "
+        "training leaves it idle; 0 keeps training's priority.",
+    )
     upload_retry_s: float = Field(
         default=300.0,
         ge=0,

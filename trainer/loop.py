@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import checkpoint as ckpt_mod
-from trainer import drill, packing, tracking
+from trainer import drill, packing, staging, tracking
 from trainer import journal as journal_mod
 from trainer.checkpoint import (
     CheckpointManager,
@@ -216,6 +216,7 @@ def _attention(segs: list[np.ndarray], cfg: JobConfig, device: torch.device) -> 
 def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     device = check_device(cfg, rt.local_rank)
     seed_all(cfg.train.seed)
+    staging.set_background_nice(cfg.checkpoint.background_nice)
     # Local and shared-FS folders are used in place; S3 ones are fetched once per node.
     model_src = local_model_dir(cfg)
     tokenizer = load_tokenizer(local_tokenizer_dir(cfg), cfg.model.special_tokens)

@@ -253,6 +253,7 @@ class RayRuntime(Runtime):
             self._in_flight += 1
 
         def persist_async(ckpt: Any, name: str) -> Any:
+            staging.lower_priority()  # Ray's thread for checkpoint uploads only
             try:
                 return persist(ckpt, name)
             finally:
@@ -345,6 +346,7 @@ class TorchrunRuntime(Runtime):
             self._uploader = ThreadPoolExecutor(1, thread_name_prefix="raylift-upload")
 
         def persist() -> None:
+            staging.lower_priority()
             try:
                 self._persist(ckpt_dir, step, kind, group=self._upload_group)
             finally:

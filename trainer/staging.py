@@ -11,6 +11,10 @@ that was never uploaded, and storage keeps the previous checkpoint.
 
 The price is host RAM: one staging copy of this rank's resume state per checkpoint in
 flight (the planner counts one: `trainer.plan.host_memory`, `staging`).
+
+The background threads run at a lower CPU priority (`checkpoint.background_nice`): where
+training keeps every core busy (CPU training, a data loader on each core), the write and
+the upload take what training leaves idle instead of slowing its steps.
 """
 
 from __future__ import annotations
@@ -67,6 +71,44 @@ def copy_done() -> None:
         torch.cuda.current_stream().synchronize()
 
 
+_nice = 0
+_training_thread: int | None = None
+
+
+def set_background_nice(nice: int) -> None:
+    """The nice value background checkpoint threads take (`checkpoint.background_nice`).
+    Called on the training thread, which `lower_priority` then never lowers."""
+    global _nice, _training_thread
+    _nice = nice
+    _training_thread = threading.get_ident()
+
+
+def lower_priority() -> None:
+    """Lower the calling thread's CPU priority to the background nice value. Linux keeps a
+    nice value per thread, and threads started afterwards from this one inherit it (the
+    upload's transfer threads). Never called on the training thread: an unprivileged
+    process cannot raise a priority back."""
+    if _nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    if threading.get_ident() == _training_thread:
+        log.warning("not lowering the training thread's priority")
+        return
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < _nice:
+            os.setpriority(os.PRIO_PROCESS, tid, _nice)
+    except OSError as exc:  # a seccomp profile, say: run at training's priority
+        log.debug("background nice %d not set: %s", _nice, exc)
+
+
+def _lowered(write: Writer) -> Writer:
+    def run() -> None:
+        lower_priority()
+        write()
+
+    return run
+
+
 class BackgroundWrites:
     """One writer thread per process, in submission order (a second checkpoint's files
     are never written before the first's), and the folders still being written."""
@@ -78,7 +120,7 @@ class BackgroundWrites:
 
     def submit(self, folder: Path, write: Writer) -> None:
         with self._lock:
-            self._pending[os.path.realpath(folder)] = self._pool.submit(write)
+            self._pending[os.path.realpath(folder)] = self._pool.submit(_lowered(write))
 
     def wait(self, folder: Path) -> None:
         """Return once `folder` is written (at once if it was written inline); raise the

@@ -7,11 +7,14 @@
   the per-step records' timestamps), with `checkpoint.upload: sync` and `async`, storage
   on the S3 server, for each strategy (DDP, FSDP2, ZeRO-2, ZeRO-3). Target, for every
   one of them: the async stall < 10% of the sync stall. Reported with it: how much of
-  the async stall the training thread itself spent in the checkpoint (`blocked`); the
-  rest is the background write and upload competing with training for the same cores.
+  the async stall the training thread itself spent in the checkpoint (`blocked`; the
+  rest is the background write and upload competing with training for the same cores),
+  and the seconds from the hand-off to the last uploaded file (`complete`).
 
 Sizes: RAYLIFT_BENCH_HIDDEN / RAYLIFT_BENCH_LAYERS (the stall model),
-RAYLIFT_BENCH_STALL_CHECKPOINTS (checkpoints per stall run), RAYLIFT_BENCH_RECOVERY_STEPS
+RAYLIFT_BENCH_STALL_CHECKPOINTS (checkpoints per stall run), RAYLIFT_BENCH_STALL_NICE
+(checkpoint.background_nice), RAYLIFT_BENCH_STALL_TOTAL=1 (also the whole run's cost per
+checkpoint, against a run without them), RAYLIFT_BENCH_RECOVERY_STEPS
 (the recovery run's length), rounds: RAYLIFT_BENCH_REPEATS, strategies:
 RAYLIFT_BENCH_STALL_STRATEGIES (comma-separated; a smoke run takes ZeRO-2 only: the harness
 is the same for all, and each strategy's staging is tested in tests/unit/test_staging.py
@@ -44,6 +47,16 @@ EVERY = 25
 # 20 ms, so 45 steps to spare), the stall runs checkpoint twice instead of four times.
 RECOVERY_STEPS = size("RAYLIFT_BENCH_RECOVERY_STEPS", 200, 100, minimum=4 * EVERY)
 STALL_CHECKPOINTS = size("RAYLIFT_BENCH_STALL_CHECKPOINTS", 4, 2)
+# The whole run's cost per checkpoint, against a third run that checkpoints only at its
+# end (RAYLIFT_BENCH_STALL_TOTAL=1; off by default: a third of the time again, and on this
+# 2-core machine its spread was as large as the figure).
+TOTAL = os.environ.get("RAYLIFT_BENCH_STALL_TOTAL", "") not in ("", "0")
+# checkpoint.background_nice for the stall runs (unset: the config's default), to compare.
+NICE = (
+    None
+    if not os.environ.get("RAYLIFT_BENCH_STALL_NICE")
+    else int(os.environ["RAYLIFT_BENCH_STALL_NICE"])
+)
 
 
 def _job(tiny: dict[str, Path], root: Path, name: str, **sections: dict[str, Any]) -> Path:
@@ -104,6 +117,24 @@ def _blocked(records: list[dict[str, Any]]) -> float:
     return statistics.mean(got)
 
 
+def _complete(events: list[dict[str, Any]]) -> float:
+    """Mean seconds from a periodic checkpoint's hand-off to its last file in storage (the
+    background write, then the upload): until then a kill loses the interval before it."""
+    got = [
+        e["write_wait_s"] + e["upload_s"]
+        for e in events
+        if e["event"] == "checkpoint" and e.get("kind") == "periodic"
+    ]
+    return statistics.mean(got)
+
+
+def _span(records: list[dict[str, Any]]) -> float:
+    """Seconds from the first train record to the last (the final checkpoint, saved after
+    the last record, is outside)."""
+    times = [r["time"] for r in records if r.get("event") == "train"]
+    return times[-1] - times[0]
+
+
 def _stall(records: list[dict[str, Any]]) -> float:
     """Mean extra seconds of the steps that checkpointed over the median plain step."""
     steps = [r for r in records if r.get("event") == "train"]
@@ -143,23 +174,47 @@ def test_checkpoint_stall_async_vs_sync(ray_cluster, tmp_path):
     server.start()
     storage = {"path": "s3://ckpt/stall", "endpoint_override": server.endpoint}
     try:
+        steps = STALL_CHECKPOINTS * EVERY + 5
 
         def mode(strategy: str, upload: str):
             def once(i: int) -> dict[str, float]:
+                # "none": the same run checkpointing only at its end, for the total cost.
+                every = EVERY if upload != "none" else steps
+                checkpoint = {"every_steps": every, "upload": upload if every == EVERY else "sync"}
+                if NICE is not None:
+                    checkpoint["background_nice"] = NICE
                 path = _job(
                     tiny,
                     tmp_path,
                     f"stall-{strategy}-{upload}-{i}",
-                    train={"max_steps": STALL_CHECKPOINTS * EVERY + 5, "eval_every": None},
-                    checkpoint={"every_steps": EVERY, "upload": upload},
+                    train={"max_steps": steps, "eval_every": None},
+                    checkpoint=checkpoint,
                     strategy=STALL_STRATEGIES[strategy],
                     storage=storage,
                 )
                 cfg, _, _ = run_to_end(cluster, path)
                 records = history(cfg)[0]
-                return {"stall_s": _stall(records), "blocked_s": _blocked(records)}
+                if upload == "none":
+                    return {"span_s": _span(records)}
+                run = resolve(cfg.storage.path, cfg.storage.endpoint_override).join(cfg.run.name)
+                return {
+                    "stall_s": _stall(records),
+                    "blocked_s": _blocked(records),
+                    "span_s": _span(records),
+                    "complete_s": _complete(journal.read(run)),
+                }
 
             return once
+
+        def cost(name: str, upload: str):
+            """Seconds each checkpoint added to the run as a whole: what spreading the
+            background work over the following steps does not make disappear."""
+
+            def of(r: dict[str, dict[str, float]]) -> float:
+                extra = r[f"{name}_{upload}"]["span_s"] - r[f"{name}_none"]["span_s"]
+                return extra / STALL_CHECKPOINTS
+
+            return of
 
         def ratio(name: str):
             def of(r: dict[str, dict[str, float]]) -> float:
@@ -184,18 +239,37 @@ def test_checkpoint_stall_async_vs_sync(ray_cluster, tmp_path):
                     unit="s (of the async stall: the training thread in the checkpoint)",
                 ),
             ]
+            checks.append(
+                Check(
+                    f"{name}_async_complete_s",
+                    lambda r, n=name: r[f"{n}_async"]["complete_s"],
+                    unit="s (hand-off to uploaded)",
+                )
+            )
+            if TOTAL:
+                checks += [
+                    Check(f"{name}_{u}_cost_per_checkpoint_s", cost(name, u), unit="s (run)")
+                    for u in ("sync", "async")
+                ]
         run_benchmark(
             "checkpoint_stall",
             title=f"Training stall per checkpoint (S3 storage, hidden {hidden} × {layers})",
             commands={
                 f"{name}_{upload}": mode(name, upload)
                 for name in strategies
-                for upload in ("sync", "async")
+                for upload in ("sync", "async") + (("none",) if TOTAL else ())
             },
             checks=checks,
             metric="stall_s",
             unit="s",
-            setup={"hidden": hidden, "layers": layers, "every": EVERY, "strategies": strategies},
+            setup={
+                "hidden": hidden,
+                "layers": layers,
+                "every": EVERY,
+                "checkpoints": STALL_CHECKPOINTS,
+                "strategies": strategies,
+                "background_nice": "default" if NICE is None else NICE,
+            },
         )
     finally:
         server.stop()

@@ -85,6 +85,69 @@ def test_a_failed_background_write_fails_the_wait_and_leaves_no_manifest(tmp_pat
     staging.wait_written(folder)  # nothing pending any more: returns at once
 
 
+def test_background_writes_and_the_threads_they_start_yield_the_cpu_to_training(tmp_path):
+    """checkpoint.background_nice: the writer thread, and the transfer threads it starts,
+    run at that nice value; the thread that trains keeps its own."""
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen: dict[str, int] = {}
+
+    def write() -> None:
+        seen["writer"] = nice()
+        child = threading.Thread(target=lambda: seen.__setitem__("started by it", nice()))
+        child.start()
+        child.join()
+
+    mine = nice()
+    writes = staging.BackgroundWrites()  # a fresh thread, never lowered before
+    staging.set_background_nice(mine + 7)
+    try:
+        writes.submit(tmp_path, write)
+        writes.wait(tmp_path)
+    finally:
+        staging.set_background_nice(0)
+    staging.lower_priority()  # on the thread that called set_background_nice: refused
+    assert seen == {"writer": mine + 7, "started by it": mine + 7}
+    assert nice() == mine
+
+
+def test_dcp_async_writes_run_at_the_background_nice(tmp_path, monkeypatch):
+    """FSDP's staged checkpoints are written by DCP's own save thread: its file writer
+    lowers that thread's priority, and the files load back equal."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.strategies.fsdp import _background_writer_class
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    real, seen = staging.lower_priority, []
+
+    def recorded() -> None:
+        real()
+        seen.append((threading.get_ident() == threading.main_thread().ident, nice()))
+
+    monkeypatch.setattr(staging, "lower_priority", recorded)
+    mine = nice()
+    state = {"w": torch.arange(12.0).reshape(3, 4), "step": torch.tensor(7)}
+    staging.set_background_nice(mine + 5)
+    try:
+        path = str(tmp_path / "dcp2")
+        future = dcp.async_save(
+            state, checkpoint_id=path, storage_writer=_background_writer_class()(path)
+        )
+        future.result()
+    finally:
+        staging.set_background_nice(0)
+    assert seen and all(s == (False, mine + 5) for s in seen), seen
+    assert nice() == mine
+    back = {"w": torch.zeros(3, 4), "step": torch.tensor(0)}
+    dcp.load(back, checkpoint_id=path)
+    assert torch.equal(back["w"], state["w"]) and int(back["step"]) == 7
+
+
 class _Scaler:
     def __init__(self) -> None:
         self.cur_scale = 1.0

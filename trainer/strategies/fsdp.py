@@ -21,6 +21,7 @@ export gathers a plain Hugging Face folder.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 from collections.abc import Iterator
@@ -348,6 +349,7 @@ class FSDPStrategy(ModelCalls):
             future = dcp.async_save(
                 state,
                 checkpoint_id=str(out / "dcp2"),
+                storage_writer=_background_writer_class()(str(out / "dcp2")),
                 process_group=self._checkpoint_group(),
                 async_stager=stager,
             )
@@ -492,6 +494,21 @@ class OptimizerGroup(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
+
+
+@functools.cache
+def _background_writer_class() -> type:
+    """DCP's file writer, whose writes run at the background checkpoint priority
+    (`checkpoint.background_nice`). `write_data` runs on the thread async_save starts
+    for the save, never on the training thread."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class BackgroundFileSystemWriter(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            staging.lower_priority()
+            return super().write_data(plan, planner)
+
+    return BackgroundFileSystemWriter
 
 
 def clip_grad_norm_mesh(
