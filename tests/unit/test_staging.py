@@ -269,3 +269,83 @@ def test_deepspeed_staged_files_are_its_own_files_of_the_saved_step(model_dir, t
         want = torch.load(inline / name, map_location="cpu", weights_only=False)
         got = torch.load(tmp_path / "staged" / name, map_location="cpu", weights_only=False)
         _same(want, got, name)
+
+
+# ------------------------------------------------------------------ FSDP2 (2 ranks)
+
+
+def _fsdp_worker(rank: int, model: str, init: str, out: str) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    from trainer.config import load_config
+    from trainer.strategies import ModelSource, build_strategy, fsdp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    cfg = load_config(
+        {
+            "model": {"path": model},
+            "data": {"train_file": "unused.jsonl", "block_size": 16},
+            "train": {"micro_batch_size": 2, "max_steps": 8},
+            "strategy": {"name": "fsdp"},
+            "scaling": {"num_workers": 2},
+            "run": {"name": "fsdp-staging"},
+        }
+    )
+    s = build_strategy(cfg, torch.device("cpu"), rank, 2)
+    s.setup(ModelSource(Path(model), VOCAB))
+    s.model.train()
+    # Rank 0 writes its first checkpoint's files slowly (a busy disk): without one save at
+    # a time, rank 1 starts the second save's planning while rank 0's first save still has
+    # its final collective to run, and the two saves' collectives cross between threads.
+    slow = {"first": rank == 0}
+    base = fsdp._background_writer_class()
+
+    class Slow(base):
+        def write_data(self, plan, planner):
+            if slow.pop("first", False):
+                time.sleep(2)
+            return super().write_data(plan, planner)
+
+    fsdp._background_writer_class = lambda: Slow
+    writes = []
+    for n in range(3):  # three checkpoints, one step apart, none waited for in between
+        x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(n + rank))
+        with s.accumulating(True):
+            s.backward(s.model(input_ids=x, labels=x).loss)
+        s.step()
+        writes.append(s.stage_state(Path(out) / f"ckpt{n}", rank))
+    for write in writes:
+        write()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_fsdp_checkpoints_in_quick_succession_are_written_one_after_another(model_dir, tmp_path):  # noqa: F811
+    """Checkpoints that come faster than DCP writes them (a short interval, a slow disk on
+    one rank) are all written, each loadable: the saves' collectives never cross."""
+    import time
+
+    import torch.distributed.checkpoint as dcp
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(
+        _fsdp_worker,
+        args=(str(model_dir), str(tmp_path / "pg"), str(tmp_path)),
+        nprocs=2,
+        start_method="spawn",
+        join=False,
+    )
+    deadline = time.monotonic() + 90  # ~10 s here when the writes are serial
+    try:
+        while not ctx.join(timeout=1):
+            assert time.monotonic() < deadline, "the checkpoint writes deadlocked"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    for n in range(3):
+        meta = dcp.FileSystemReader(str(tmp_path / f"ckpt{n}" / "dcp2")).read_metadata()
+        assert any(k.startswith("model.") for k in meta.state_dict_metadata), n

@@ -20,6 +20,7 @@ export gathers a plain Hugging Face folder.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import json
@@ -331,10 +332,20 @@ class FSDPStrategy(ModelCalls):
         """dcp/2 through DCP's async_save: the shards are copied to host memory here
         (pinned on GPUs), planned and written by DCP's thread on a gloo group of their
         own (collectives of a second thread must not share the training's group);
-        the returned writer waits for that write. Same files as `save_state`."""
+        the returned writer waits for that write. Same files as `save_state`.
+
+        One DCP save at a time: each runs its collectives (plan, then finish) on its own
+        thread over that group, and two in flight would interleave them in an order that
+        can differ between ranks, which deadlocks both saves (seen in CI with a
+        checkpoint every 2 steps). So a save that comes while the last is still writing
+        waits for it here first; every rank saves the same steps, in the same order."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+        previous = getattr(self, "_dcp_save", None)
+        if previous is not None:
+            # Its outcome is the writer's to report (a failure fails that upload).
+            concurrent.futures.wait([previous])
         state, _ = self._state()
         gpu = self.device.type == "cuda"
         stager = DefaultStager(
@@ -356,6 +367,7 @@ class FSDPStrategy(ModelCalls):
         except BaseException:
             stager.close()
             raise
+        self._dcp_save = future
 
         def write() -> None:
             try:
