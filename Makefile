@@ -15,16 +15,23 @@ TEST_WORKERS ?= 2
 # make test runs the benchmarks too, at smoke size (tests/bench/benchutil.py): a benchmark
 # that no longer runs fails CI; its targets are judged only by make bench.
 TEST_PATHS ?= tests/unit tests/integration tests/bench
+# Seconds one test may take (setup and teardown included) before it fails with every
+# thread's stack: a deadlock is a red test, not a CI run that never ends. The longest
+# test takes ~150 s here.
+TEST_TIMEOUT ?= 600
 
 .PHONY: setup demo test lint format bench gpu-check image push image-local image-check clean
 
 setup: $(STAMP)
 
+# --no-compile: pip would byte-compile every file of every package (pulumi-aws, torch, ray:
+# most of the install's CPU time, ~70 s on 2 cores); Python compiles the modules a process
+# imports, once, on first import.
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet pip==26.3
-	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(BIN)/python -m pip install --quiet --no-compile pip==26.3
+	$(BIN)/python -m pip install --quiet --no-compile $(TORCH)
+	$(BIN)/python -m pip install --quiet --no-compile -e '.[$(EXTRAS)]'
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -34,7 +41,7 @@ test: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
 	RAYLIFT_BENCH_SMOKE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile \
-		$(TEST_PATHS) --durations=30 $(PYTEST_ARGS)
+		--timeout $(TEST_TIMEOUT) $(TEST_PATHS) --durations=30 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .
