@@ -295,6 +295,17 @@ class WeedServer:
         self.stop()
         pytest.fail(f"weed mini did not come up: {(self.data / 'weed.log').read_text()[-2000:]}")
 
+    def sockets(self) -> list[Path]:
+        """The unix sockets weed made for this server's ports. It puts them in /tmp
+        whatever TMPDIR says (`/tmp/seaweedfs-<service>[-grpc]-<port>.sock`, the gRPC ones
+        on port + 10000) and leaves them there when it stops."""
+        ports = {p + offset for p in self.ports.values() for offset in (0, 10000)}
+        return [
+            path
+            for path in Path("/tmp").glob("seaweedfs-*.sock")
+            if path.stem.rpartition("-")[2].isdigit() and int(path.stem.rpartition("-")[2]) in ports
+        ]
+
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.terminate()
@@ -304,6 +315,8 @@ class WeedServer:
                 self.proc.kill()
                 self.proc.wait(timeout=15)
             self.proc = None
+            for path in self.sockets():
+                path.unlink(missing_ok=True)
         if self._log is not None:
             self._log.close()
             self._log = None

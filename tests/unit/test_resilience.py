@@ -322,3 +322,18 @@ def test_fault_hold_stops_an_upload_before_its_manifests_until_released(tmp_path
     release.touch()
     thread.join(timeout=60)
     assert done.is_set() and completeness(resolve(str(dest)))[0] is not None
+
+
+def test_a_stopped_s3_server_leaves_no_sockets_in_tmp(tmp_path):
+    """weed makes unix sockets in /tmp for its ports; stopping the test server removes
+    them, so CI runs do not pile them up on the machine."""
+    from tests.conftest import WeedServer
+
+    server = WeedServer(tmp_path)
+    server.start()
+    try:
+        made = server.sockets()
+        assert any(p.name.startswith("seaweedfs-s3-") for p in made), made
+    finally:
+        server.stop()
+    assert server.sockets() == [] and not any(p.exists() for p in made)
