@@ -72,6 +72,14 @@ def env_int(name: str, default: int, minimum: int = 1) -> int:
     return value
 
 
+def optional_env_int(name: str, minimum: int = 1) -> int | None:
+    """`env_int` for a setting that may be left unset: None then (the code's own default
+    applies, e.g. the job config's)."""
+    if os.environ.get(name, "") == "":
+        return None
+    return env_int(name, minimum, minimum)
+
+
 def smoke() -> bool:
     """Whether this is a smoke run (`make test`), not a measurement (`make bench`)."""
     return os.environ.get(SMOKE_ENV, "") not in ("", "0")

@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from tests.bench.benchutil import Check, run_benchmark, size, smoke
+from tests.bench.benchutil import Check, optional_env_int, run_benchmark, size, smoke
 from tests.conftest import S3_KEY, S3_SECRET, WeedServer, base_job
 from tests.integration.test_ray_train import _train_workers, history, launch, run_to_end
 from tools import submit
@@ -52,11 +52,7 @@ STALL_CHECKPOINTS = size("RAYLIFT_BENCH_STALL_CHECKPOINTS", 4, 2)
 # 2-core machine its spread was as large as the figure).
 TOTAL = os.environ.get("RAYLIFT_BENCH_STALL_TOTAL", "") not in ("", "0")
 # checkpoint.background_nice for the stall runs (unset: the config's default), to compare.
-NICE = (
-    None
-    if not os.environ.get("RAYLIFT_BENCH_STALL_NICE")
-    else int(os.environ["RAYLIFT_BENCH_STALL_NICE"])
-)
+NICE = optional_env_int("RAYLIFT_BENCH_STALL_NICE", minimum=0)
 
 
 def _job(tiny: dict[str, Path], root: Path, name: str, **sections: dict[str, Any]) -> Path:
@@ -178,9 +174,10 @@ def test_checkpoint_stall_async_vs_sync(ray_cluster, tmp_path):
 
         def mode(strategy: str, upload: str):
             def once(i: int) -> dict[str, float]:
-                # "none": the same run checkpointing only at its end, for the total cost.
-                every = EVERY if upload != "none" else steps
-                checkpoint = {"every_steps": every, "upload": upload if every == EVERY else "sync"}
+                if upload == "none":  # the same run checkpointing only at its end
+                    checkpoint = {"every_steps": steps, "upload": "sync"}
+                else:
+                    checkpoint = {"every_steps": EVERY, "upload": upload}
                 if NICE is not None:
                     checkpoint["background_nice"] = NICE
                 path = _job(

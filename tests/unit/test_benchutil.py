@@ -13,6 +13,7 @@ from tests.bench.benchutil import (
     Stats,
     TargetMissed,
     interleave,
+    optional_env_int,
     repeats,
     results_dir,
     run_benchmark,
@@ -82,6 +83,22 @@ def test_repeats_from_env(monkeypatch):
         monkeypatch.setenv("RAYLIFT_BENCH_REPEATS", bad)
         with pytest.raises(ValueError, match="RAYLIFT_BENCH_REPEATS"):
             repeats()
+
+
+def test_optional_setting_is_none_unset_and_checked_when_set(monkeypatch):
+    name = "RAYLIFT_BENCH_TOY_NICE"
+    for unset in (None, ""):
+        if unset is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, unset)
+        assert optional_env_int(name, minimum=0) is None
+    monkeypatch.setenv(name, "0")
+    assert optional_env_int(name, minimum=0) == 0
+    for bad in ("-1", "ten"):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            optional_env_int(name, minimum=0)
 
 
 def _ratio_bench(tmp_path, a_values, target):
