@@ -27,10 +27,6 @@ from trainer.tracking import (
 )
 from trainer.tracking.sender import Sender
 
-pytest.importorskip("mlflow")
-pytest.importorskip("wandb")
-pytest.importorskip("tensorboardX")
-
 
 def _cfg(tmp_path: Path, **tracking: Any) -> JobConfig:
     return JobConfig.model_validate(
