@@ -24,14 +24,14 @@ TEST_TIMEOUT ?= 600
 
 setup: $(STAMP)
 
-# --no-compile: pip would byte-compile every file of every package (pulumi-aws, torch, ray:
-# most of the install's CPU time, ~70 s on 2 cores); Python compiles the modules a process
-# imports, once, on first import.
+# pip byte-compiles what it installs (most of the install's CPU time), and that must stay:
+# where PYTHONDONTWRITEBYTECODE is set (this CI machine sets it), Python keeps nothing it
+# compiles on import, and every Ray worker would compile every module it imports again.
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --no-compile pip==26.3
-	$(BIN)/python -m pip install --quiet --no-compile $(TORCH)
-	$(BIN)/python -m pip install --quiet --no-compile -e '.[$(EXTRAS)]'
+	$(BIN)/python -m pip install --quiet pip==26.3
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
 	@touch $(STAMP)
 
 demo: $(STAMP)
