@@ -9,6 +9,7 @@ import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -274,7 +275,7 @@ def test_deepspeed_staged_files_are_its_own_files_of_the_saved_step(model_dir, t
 # ------------------------------------------------------------------ FSDP2 (2 ranks)
 
 
-def _fsdp_worker(rank: int, model: str, init: str, out: str) -> None:
+def _fsdp_worker(rank: int, model: str, init: str, out: str, second: Any) -> None:
     import time
 
     import torch.distributed as dist
@@ -297,16 +298,19 @@ def _fsdp_worker(rank: int, model: str, init: str, out: str) -> None:
     s = build_strategy(cfg, torch.device("cpu"), rank, 2)
     s.setup(ModelSource(Path(model), VOCAB))
     s.model.train()
-    # Rank 0 writes its first checkpoint's files slowly (a busy disk): without one save at
-    # a time, rank 1 starts the second save's planning while rank 0's first save still has
-    # its final collective to run, and the two saves' collectives cross between threads.
+    # Rank 0 writes its first checkpoint's files slowly (a busy disk): it holds them until
+    # rank 1 is at its second checkpoint (the event), however long rank 1 takes to get
+    # there, and then a second for that save's thread to start. Without one save at a time,
+    # rank 1's second save is then planning while rank 0's first still has its final
+    # collective to run, and the two saves' collectives cross between threads.
     slow = {"first": rank == 0}
     base = fsdp._background_writer_class()
 
     class Slow(base):
         def write_data(self, plan, planner):
             if slow.pop("first", False):
-                time.sleep(2)
+                assert second.wait(timeout=120), "rank 1 never reached its second checkpoint"
+                time.sleep(1)  # the slow disk itself: no event marks a thread's collective
             return super().write_data(plan, planner)
 
     fsdp._background_writer_class = lambda: Slow
@@ -316,6 +320,8 @@ def _fsdp_worker(rank: int, model: str, init: str, out: str) -> None:
         with s.accumulating(True):
             s.backward(s.model(input_ids=x, labels=x).loss)
         s.step()
+        if n == 1 and rank == 1:
+            second.set()
         writes.append(s.stage_state(Path(out) / f"ckpt{n}", rank))
     for write in writes:
         write()
@@ -331,9 +337,10 @@ def test_fsdp_checkpoints_in_quick_succession_are_written_one_after_another(mode
     import torch.distributed.checkpoint as dcp
     import torch.multiprocessing as mp
 
+    second = mp.get_context("spawn").Event()  # rank 1 is at its second checkpoint
     ctx = mp.start_processes(
         _fsdp_worker,
-        args=(str(model_dir), str(tmp_path / "pg"), str(tmp_path)),
+        args=(str(model_dir), str(tmp_path / "pg"), str(tmp_path), second),
         nprocs=2,
         start_method="spawn",
         join=False,
