@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 
 from trainer.config import load_config
 from trainer.errors import UserError
@@ -117,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as exc:
         if args.debug:
+            if _write_hangs():
+                traceback.print_exc()
+                _exit_now_if_a_write_hangs(1)
             raise
         cause = _root_cause(exc)
         if isinstance(cause, UserError):
@@ -126,7 +130,23 @@ def main(argv: list[str] | None = None) -> int:
             f"error: {type(cause).__name__}: {cause} (rerun with --debug for the traceback)",
             file=sys.stderr,
         )
+        _exit_now_if_a_write_hangs(1)
         return 1
+
+
+def _write_hangs() -> bool:
+    staging = sys.modules.get("trainer.staging")  # imported by training, not by the CLI
+    return staging is not None and staging.stuck()
+
+
+def _exit_now_if_a_write_hangs(code: int) -> None:
+    """A checkpoint write given up as hung still holds its thread, which a normal exit
+    would wait for forever (torchrun would never see this rank fail): leave at once."""
+    if _write_hangs():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
 
 
 def _root_cause(exc: BaseException) -> BaseException:

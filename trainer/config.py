@@ -400,6 +400,14 @@ class CheckpointSection(_Section):
         "background (and the transfer threads they start), so they take the CPU only when "
         "training leaves it idle; 0 keeps training's priority.",
     )
+    stuck_write_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="A background checkpoint write that adds no byte to its folder for "
+        "this long counts as hung (a stuck file system, a save waiting on a lost peer): "
+        "the attempt fails with an error naming the step, and the run restarts from the "
+        "last complete checkpoint instead of idling. 0: wait forever.",
+    )
     upload_retry_s: float = Field(
         default=300.0,
         ge=0,

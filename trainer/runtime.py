@@ -71,6 +71,7 @@ class Runtime:
     node_labels: dict[str, str] = {}  # noqa: RUF012 - replaced per instance
     journal: Journal | None = None  # rank 0 only
     retry_s: float = 300.0
+    stuck_s: float = 600.0
 
     def latest_checkpoint(self) -> Path | None:
         raise NotImplementedError
@@ -105,7 +106,9 @@ class Runtime:
         """Persist a checkpoint folder (retrying transient errors) and journal it."""
         target = self.run.join(ckpt_mod.dir_name(step))
         started = time.monotonic()
-        staging.wait_written(src)  # the files a part staged are written in the background
+        # The files a part staged are written in the background; a write that stops
+        # making progress fails the upload, and with it the attempt.
+        staging.wait_written(src, self.stuck_s, f"the checkpoint of step {step}")
         written_s = round(time.monotonic() - started, 3)
 
         def on_retry(n: int, exc: BaseException) -> None:
@@ -180,6 +183,7 @@ class RayRuntime(Runtime):
         self.allow_scratch = cfg.checkpoint.allow_restart_from_scratch
         self.node_labels = dict(ray.get_runtime_context().get_node_labels())
         self.retry_s = cfg.checkpoint.upload_retry_s
+        self.stuck_s = cfg.checkpoint.stuck_write_s
         self.sync_upload = cfg.checkpoint.upload == "sync"
         self._slots = threading.BoundedSemaphore(cfg.checkpoint.max_uploads_in_flight)
         self._in_flight = 0
@@ -307,6 +311,7 @@ class TorchrunRuntime(Runtime):
         self.run = run_location(cfg)
         self.allow_scratch = cfg.checkpoint.allow_restart_from_scratch
         self.retry_s = cfg.checkpoint.upload_retry_s
+        self.stuck_s = cfg.checkpoint.stuck_write_s
         if self.rank == 0 and not cfg.train.as_test:
             self.journal = Journal(self.run, f"attempt-{int(time.time() * 1000)}-rank0")
         self.sync_upload = cfg.checkpoint.upload == "sync"

@@ -15,6 +15,11 @@ flight (the planner counts one: `trainer.plan.host_memory`, `staging`).
 The background threads run at a lower CPU priority (`checkpoint.background_nice`): where
 training keeps every core busy (CPU training, a data loader on each core), the write and
 the upload take what training leaves idle instead of slowing its steps.
+
+A write that hangs (a stuck file system, a collective waiting on a peer that will never
+come) must not hang the run: whoever waits for it gives up once the folder has gained no
+byte for `checkpoint.stuck_write_s` and raises `CheckpointStuck`, which fails the attempt
+(the run restarts from the last complete checkpoint).
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ import copy
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +116,69 @@ def _lowered(write: Writer) -> Writer:
     return run
 
 
+class CheckpointStuck(RuntimeError):
+    """A background checkpoint write made no progress for `checkpoint.stuck_write_s`."""
+
+
+_stuck = threading.Event()
+POLL_S = 1.0
+
+
+def stuck() -> bool:
+    """Whether a background write of this process was given up as hung: its thread may
+    never return, so the process must exit without waiting for it (trainer.__main__)."""
+    return _stuck.is_set()
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under `folder`: what a write in progress has put there so far."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except FileNotFoundError:  # renamed into place meanwhile
+                continue
+    return total
+
+
+def wait_progressing(future: Future[Any], folder: Path, stuck_s: float, what: str) -> Any:
+    """`future.result()`, unless the write it stands for is hung: once it runs, `folder`
+    must gain bytes at least every `stuck_s` seconds (0: wait forever). A write still
+    queued behind an earlier one is not judged (the earlier one's waiter judges that)."""
+    if stuck_s <= 0:
+        return future.result()
+    seen, since = -1, time.monotonic()
+    while True:
+        done, _ = wait_futures([future], timeout=min(POLL_S, stuck_s))
+        if done:
+            return future.result()
+        now = time.monotonic()
+        if not future.running():
+            since = now
+            continue
+        size = folder_bytes(folder)
+        if size != seen:
+            seen, since = size, now
+        elif now - since >= stuck_s:
+            _stuck.set()
+            raise CheckpointStuck(
+                f"{what}: its background write has added no byte for {now - since:.0f} s "
+                f"({size} bytes in {folder}); giving it up as hung "
+                f"(checkpoint.stuck_write_s: {stuck_s:g}) so that this attempt fails and "
+                "the run restarts from the last complete checkpoint"
+            )
+
+
+def wait_unless_stuck(future: Future[Any]) -> None:
+    """Wait for `future` (an earlier save this one must follow) without outliving a write
+    that another thread of this process has given up as hung."""
+    while not future.done():
+        if _stuck.is_set():
+            raise CheckpointStuck("an earlier checkpoint's background write is hung")
+        wait_futures([future], timeout=POLL_S)
+
+
 class BackgroundWrites:
     """One writer thread per process, in submission order (a second checkpoint's files
     are never written before the first's), and the folders still being written."""
@@ -122,13 +192,14 @@ class BackgroundWrites:
         with self._lock:
             self._pending[os.path.realpath(folder)] = self._pool.submit(_lowered(write))
 
-    def wait(self, folder: Path) -> None:
+    def wait(self, folder: Path, stuck_s: float = 0.0, what: str = "checkpoint") -> None:
         """Return once `folder` is written (at once if it was written inline); raise the
-        writer's error if it failed."""
+        writer's error if it failed, and `CheckpointStuck` if the write, once started,
+        gained no byte for `stuck_s` seconds (0: wait forever)."""
         with self._lock:
             future = self._pending.pop(os.path.realpath(folder), None)
         if future is not None:
-            future.result()
+            wait_progressing(future, folder, stuck_s, what)
 
     def pending(self) -> int:
         with self._lock:
@@ -142,5 +213,5 @@ def submit(folder: Path, write: Writer) -> None:
     WRITES.submit(folder, write)
 
 
-def wait_written(folder: Path) -> None:
-    WRITES.wait(folder)
+def wait_written(folder: Path, stuck_s: float = 0.0, what: str = "checkpoint") -> None:
+    WRITES.wait(folder, stuck_s, what)

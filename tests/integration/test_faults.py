@@ -207,6 +207,49 @@ def test_kill_during_a_background_write_resumes_from_the_previous_checkpoint(
     _same_weights(load_file(str(run_dir / FINAL)), reference["weights"], atol=1e-5)
 
 
+def test_a_hung_background_write_fails_the_attempt_which_resumes_from_the_last_checkpoint(
+    ray_cluster, tiny, tmp_path
+):
+    """checkpoint.stuck_write_s: step 50's background write hangs (held before its
+    manifest, adding no byte; the drill would hold it for 15 minutes). After 2 s without
+    progress the upload gives it up: the attempt fails with a one-line cause naming the
+    step, Ray restarts the group, and the run resumes from step 25 (the last complete
+    checkpoint) and finishes, instead of leaving its workers idle behind a hung write."""
+    steps, held, release = 70, 2 * EVERY, tmp_path / "release"
+    path = fault_job(
+        tiny,
+        tmp_path,
+        "stuckwrite",
+        train={"max_steps": steps},
+        checkpoint={"stuck_write_s": 2},
+    )
+    cfg = submit.absolutize(load_config(path, []), Path.cwd())
+    client, job_id = submit.submit(
+        cfg,
+        ray_cluster.dashboard_url,
+        env_vars={"RAYLIFT_FAULT_HOLD_WRITE": f"{held}:{release}"},
+    )
+    run = resolve(str(Path(cfg.storage.path) / cfg.run.name))
+    _wait(lambda: _held(release, "write", ranks=1), "step 50's write held", client, job_id)
+    since = time.monotonic()
+
+    def failures() -> list[dict[str, Any]]:
+        return [e for e in journal.read(run) if e["event"] == "failure"]
+
+    (failure,) = _wait(failures, "the hung write to fail the attempt", client, job_id, 180)
+    # The 2 s limit plus Ray's polls and a loaded machine: far from the drill's 900 s.
+    assert time.monotonic() - since < 120
+    release.touch()  # the restarted attempt writes step 50 normally
+    _finish(client, job_id)
+
+    assert failure["cause"] == "error", failure
+    assert "step 50" in failure["message"] and "stuck_write_s" in failure["message"], failure
+    records, trained, _ = history(cfg)
+    assert [r["step"] for r in trained] == list(range(1, steps + 1))
+    assert [r["from_step"] for r in records if r.get("event") == "resume"] == [held - EVERY]
+    assert ckpt_mod.step_of(ckpt_mod.find_latest(run, allow_scratch=False)) == steps
+
+
 def test_s3_outage_during_upload_is_retried_without_stopping_training(
     ray_cluster, tiny, tmp_path, s3_server, reference
 ):

@@ -4,6 +4,8 @@ Kubernetes path), with the {"text": ...} data format, stop and resume."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -102,6 +104,41 @@ def test_torchrun_trains_on_while_a_checkpoint_uploads(job, tmp_path):
     assert saved == [4, 8, 12], saved
     for _, loc in ckpt_mod.list_checkpoints(run):
         assert ckpt_mod.completeness(loc)[0] is not None, loc.uri
+
+
+def test_a_rank_whose_checkpoint_write_hangs_exits_instead_of_hanging_the_job(job, tmp_path):
+    """checkpoint.stuck_write_s under torchrun: rank 0's background write of step 4 hangs
+    (the drill would hold it 15 minutes). Its upload gives the write up after 1 s without
+    a byte, the main thread raises that at the next checkpoint, and the rank leaves at
+    once: its hung writer thread would block a normal interpreter exit, and torchrun would
+    never see the rank fail. The job fails with the one-line cause; nothing of step 4
+    looks complete in storage."""
+    from tests.helpers import torchrun_command
+    from trainer import checkpoint as ckpt_mod
+
+    release = tmp_path / "release"
+    path = job("hang", checkpoint={"every_steps": 4, "stuck_write_s": 1})
+    cmd, env = torchrun_command(["-m", "trainer", "run", str(path)])
+    env["RAYLIFT_FAULT_HOLD_WRITE"] = f"4:{release}"
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # so that a hung job's ranks can be killed with it
+    )
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0, stderr[-3000:]
+    assert release.with_name("release.write.r0").exists()  # the drill did hold it
+    assert "error: CheckpointStuck: the checkpoint of step 4: " in stderr, stderr[-3000:]
+    run = resolve(str(tmp_path / "runs")).join("hang")
+    assert ckpt_mod.completeness(run.join(ckpt_mod.dir_name(4)))[0] is None
 
 
 def test_torchrun_bad_config_is_one_line(job):

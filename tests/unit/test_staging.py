@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,75 @@ def test_a_failed_background_write_fails_the_wait_and_leaves_no_manifest(tmp_pat
     with pytest.raises(OSError, match="No space left"):
         staging.wait_written(folder)
     staging.wait_written(folder)  # nothing pending any more: returns at once
+
+
+@pytest.fixture
+def writes():
+    """A writer thread of its own, and the process's "a write hangs" flag reset after."""
+    pool = staging.BackgroundWrites()
+    yield pool
+    staging._stuck.clear()
+
+
+def _appender(path: Path, chunks: int, every_s: float, gate: threading.Event | None = None):
+    def write() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("ab") as f:
+            for _ in range(chunks):
+                f.write(b"x" * 1000)
+                f.flush()
+                time.sleep(every_s)
+        if gate is not None:
+            gate.wait(60)  # a write that stops making progress here
+
+    return write
+
+
+def test_a_write_that_stops_making_progress_is_given_up_as_hung(tmp_path, writes):
+    """checkpoint.stuck_write_s: a write that put some bytes down and then hangs makes its
+    waiter raise after the limit, naming the step; a second wait on an earlier save
+    (FSDP's one-DCP-save-at-a-time) then raises too instead of waiting forever."""
+    folder, gate = tmp_path / "ckpt", threading.Event()
+    writes.submit(folder, _appender(folder / "dcp2" / "__0_0.distcp", 3, 0.05, gate))
+    started = time.monotonic()
+    try:
+        with pytest.raises(staging.CheckpointStuck, match=r"step 7: .* no byte for .*3000 bytes"):
+            writes.wait(folder, stuck_s=0.5, what="the checkpoint of step 7")
+        took = time.monotonic() - started
+        assert 0.5 <= took < 5.0, took
+        assert staging.stuck()
+        never = Future()
+        never.set_running_or_notify_cancel()
+        with pytest.raises(staging.CheckpointStuck, match="earlier checkpoint"):
+            staging.wait_unless_stuck(never)
+    finally:
+        gate.set()
+
+
+def test_a_slow_write_that_keeps_writing_and_one_queued_behind_it_are_waited_for(tmp_path, writes):
+    """Progress resets the clock: a write that adds bytes every 0.2 s for 2 s is not hung
+    under a 0.6 s limit, and the write queued behind it is not judged while it waits."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    writes.submit(first, _appender(first / "model.pt", 10, 0.2))
+    writes.submit(second, _appender(second / "model.pt", 1, 0.0))
+    errors: list[BaseException] = []
+
+    def wait_second() -> None:  # its waiter runs while it is still queued
+        try:
+            writes.wait(second, stuck_s=0.6, what="the second")
+        except BaseException as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait_second)
+    started = time.monotonic()
+    waiter.start()
+    writes.wait(first, stuck_s=0.6, what="the first")
+    assert time.monotonic() - started >= 1.5
+    waiter.join(30)
+    assert not errors, errors
+    assert (first / "model.pt").stat().st_size == 10_000
+    assert (second / "model.pt").stat().st_size == 1000
+    assert not staging.stuck()
 
 
 def test_background_writes_and_the_threads_they_start_yield_the_cpu_to_training(tmp_path):

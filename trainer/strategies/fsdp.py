@@ -20,7 +20,6 @@ export gathers a plain Hugging Face folder.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import functools
 import json
@@ -344,8 +343,9 @@ class FSDPStrategy(ModelCalls):
 
         previous = getattr(self, "_dcp_save", None)
         if previous is not None:
-            # Its outcome is the writer's to report (a failure fails that upload).
-            concurrent.futures.wait([previous])
+            # Its outcome is the writer's to report (a failure fails that upload); if
+            # its waiter gave it up as hung, this raises rather than wait forever.
+            staging.wait_unless_stuck(previous)
         state, _ = self._state()
         gpu = self.device.type == "cuda"
         stager = DefaultStager(
