@@ -237,7 +237,8 @@ class WeedServer:
     """SeaweedFS (`weed mini`) bound to 127.0.0.1 with a bucket `ckpt`. It can be stopped
     and started again on the same ports and data (a storage outage)."""
 
-    def __init__(self, data: Path):
+    def __init__(self, data: Path, nice: int = 0):
+        self.nice = nice  # > 0: the server takes only CPU that others leave idle
         self.weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which(
             "weed"
         )
@@ -282,6 +283,8 @@ class WeedServer:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # Every thread the server starts inherits it (Linux keeps it per thread).
+            preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.proc.poll() is None:

@@ -26,7 +26,14 @@ from trainer import drill, staging
 from trainer.config import JobConfig
 from trainer.errors import UserError
 from trainer.journal import Journal
-from trainer.storage import Location, download_dir, resolve, retrying, upload_checkpoint
+from trainer.storage import (
+    Location,
+    download_dir,
+    prepare_uploads,
+    resolve,
+    retrying,
+    upload_checkpoint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +187,7 @@ class RayRuntime(Runtime):
         self.world_size = ctx.get_world_size()
         self.local_rank = ctx.get_local_rank()
         self.run = run_location(cfg)
+        prepare_uploads(self.run)  # not in the middle of training
         self.allow_scratch = cfg.checkpoint.allow_restart_from_scratch
         self.node_labels = dict(ray.get_runtime_context().get_node_labels())
         self.retry_s = cfg.checkpoint.upload_retry_s
@@ -309,6 +317,7 @@ class TorchrunRuntime(Runtime):
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.keep_last = cfg.checkpoint.keep_last
         self.run = run_location(cfg)
+        prepare_uploads(self.run)  # not in the middle of training
         self.allow_scratch = cfg.checkpoint.allow_restart_from_scratch
         self.retry_s = cfg.checkpoint.upload_retry_s
         self.stuck_s = cfg.checkpoint.stuck_write_s

@@ -13,12 +13,13 @@
 
 Sizes: RAYLIFT_BENCH_HIDDEN / RAYLIFT_BENCH_LAYERS (the stall model),
 RAYLIFT_BENCH_STALL_CHECKPOINTS (checkpoints per stall run), RAYLIFT_BENCH_STALL_NICE
-(checkpoint.background_nice), RAYLIFT_BENCH_STALL_TOTAL=1 (also the whole run's cost per
-checkpoint, against a run without them), RAYLIFT_BENCH_RECOVERY_STEPS
-(the recovery run's length), rounds: RAYLIFT_BENCH_REPEATS, strategies:
-RAYLIFT_BENCH_STALL_STRATEGIES (comma-separated; a smoke run takes ZeRO-2 only: the harness
-is the same for all, and each strategy's staging is tested in tests/unit/test_staging.py
-and the fault tests)."""
+(checkpoint.background_nice), RAYLIFT_BENCH_STALL_S3_NICE (the S3 server's nice value, 0
+by default: how much of the stall is the server's share of the cores),
+RAYLIFT_BENCH_STALL_TOTAL=1 (also the whole run's cost per checkpoint, against a run
+without them), RAYLIFT_BENCH_RECOVERY_STEPS (the recovery run's length), rounds:
+RAYLIFT_BENCH_REPEATS, strategies: RAYLIFT_BENCH_STALL_STRATEGIES (comma-separated; a
+smoke run takes ZeRO-2 only: the harness is the same for all, and each strategy's staging
+is tested in tests/unit/test_staging.py and the fault tests)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ STALL_CHECKPOINTS = size("RAYLIFT_BENCH_STALL_CHECKPOINTS", 4, 2)
 TOTAL = os.environ.get("RAYLIFT_BENCH_STALL_TOTAL", "") not in ("", "0")
 # checkpoint.background_nice for the stall runs (unset: the config's default), to compare.
 NICE = optional_env_int("RAYLIFT_BENCH_STALL_NICE", minimum=0)
+# The S3 server's nice value for the stall runs (RAYLIFT_BENCH_STALL_S3_NICE, 0 unset).
+S3_NICE = optional_env_int("RAYLIFT_BENCH_STALL_S3_NICE", minimum=0) or 0
 
 
 def _job(tiny: dict[str, Path], root: Path, name: str, **sections: dict[str, Any]) -> Path:
@@ -165,7 +168,7 @@ def test_checkpoint_stall_async_vs_sync(ray_cluster, tmp_path):
     layers = size("RAYLIFT_BENCH_LAYERS", 6, 2)
     tiny = build_all(tmp_path / "model", rows=3000, eval_rows=50, hidden=hidden, layers=layers)
     (tmp_path / "weed").mkdir()
-    server = WeedServer(tmp_path / "weed")
+    server = WeedServer(tmp_path / "weed", nice=S3_NICE)
     os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = S3_KEY, S3_SECRET
     server.start()
     storage = {"path": "s3://ckpt/stall", "endpoint_override": server.endpoint}

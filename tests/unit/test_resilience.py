@@ -337,3 +337,27 @@ def test_a_stopped_s3_server_leaves_no_sockets_in_tmp(tmp_path):
     finally:
         server.stop()
     assert server.sockets() == [] and not any(p.exists() for p in made)
+
+
+def test_prepared_uploads_parse_no_sdk_model_during_training(tmp_path, s3_server, monkeypatch):
+    """The runtimes call `prepare_uploads` before the first step, so the first
+    checkpoint's upload (a background thread during training) no longer parses botocore's
+    endpoint and S3 models while holding the GIL the training thread needs."""
+    from botocore.loaders import JSONFileLoader
+
+    from trainer import storage
+
+    monkeypatch.setattr(storage, "_s3_clients", {})  # this process's first client
+    loc = resolve("s3://ckpt/prepared", s3_server["endpoint"])
+    storage.prepare_uploads(loc)
+    parsed: list[str] = []
+    load = JSONFileLoader.load_file
+    monkeypatch.setattr(
+        JSONFileLoader, "load_file", lambda self, path: parsed.append(path) or load(self, path)
+    )
+    src = tmp_path / "part.bin"
+    src.write_bytes(b"x" * 4096)
+    storage.put_files_s3([(src, "part.bin")], loc)
+    head = s3_server["client"].head_object(Bucket="ckpt", Key="prepared/part.bin")
+    assert head["ContentLength"] == 4096
+    assert parsed == []
