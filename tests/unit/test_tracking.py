@@ -173,6 +173,9 @@ def test_wandb_offline_same_run_id_and_steps(tmp_path):
     run = resolve(cfg.storage.path).join("watch")
     _attempt(cfg, run, 1, 0, range(1, 6), status="failed")
     run_id = read_state(run)["wandb"]
+    # W&B names an offline run's folder by the second it opened: a real restart takes
+    # far longer than that, these two in-process attempts may not (same folder, flaky).
+    time.sleep(1.1)
     _attempt(cfg, run, 2, 3, range(4, 7), [_record(s, 1) for s in range(1, 4)])
     assert read_state(run)["wandb"] == run_id
     folders = sorted(Path(run.path, "wandb").glob(f"offline-run-*-{run_id}"))
@@ -181,6 +184,49 @@ def test_wandb_offline_same_run_id_and_steps(tmp_path):
     assert [int(r["_step"]) for r in first] == [1, 2, 3, 4, 5]
     assert [int(r["_step"]) for r in second] == [4, 5, 6]
     assert second[0]["tokens_per_s"] == 200.0 and second[0]["rank1/mem_peak_gib"] == 1.5
+
+
+def test_a_restarted_rank_zero_opens_its_run_in_a_service_of_its_own(tmp_path):
+    """A process that used W&B leaves its service's token in the environment, and its
+    children inherit it (in CI a Ray cluster started by the pytest process did, so every
+    worker shared the test process's W&B service). A rank 0 killed with the run open
+    leaves the run's stream in that service, and the restarted rank 0 then failed to
+    open the run ("run ID ... is in use") and sent W&B nothing. Here the parent holds
+    the run open as the killed rank did; the child, a new rank 0, must still open it."""
+    import os
+    import subprocess
+    import sys
+
+    import wandb
+
+    run_id = "restartedrank0x"
+    parent = wandb.init(
+        project="proj",
+        mode="offline",
+        id=run_id,
+        dir=str(tmp_path),
+        settings=wandb.Settings(silent=True, console="off", disable_git=True),
+    )
+    try:
+        assert os.environ.get("WANDB_SERVICE")  # what a child inherits
+        code = (
+            "import sys; from pathlib import Path; "
+            "from trainer.tracking.backends import WandbBackend; "
+            "b = WandbBackend('proj', None, 'offline', 'r', Path(sys.argv[1]), 0); "
+            "b.open(sys.argv[2]); b.metrics(1, {'loss': 1.0}, 0.0); b.close('finished'); "
+            "print('opened')"
+        )
+        res = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path / "child"), run_id],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert res.returncode == 0 and "opened" in res.stdout, res.stderr[-2000:]
+    finally:
+        parent.finish()
+    (folder,) = (tmp_path / "child" / "wandb").glob(f"offline-run-*-{run_id}")
+    assert [int(r["_step"]) for r in wandb_history(folder)] == [1]
 
 
 def test_tensorboard_event_files_and_purge_on_resume(tmp_path):

@@ -192,6 +192,30 @@ class TensorBoardBackend:
             self.writer.close()
 
 
+WANDB_SERVICE = "WANDB_SERVICE"
+
+
+def drop_inherited_wandb_service() -> str | None:
+    """Forget a W&B service token this process inherited (returned; None if none).
+
+    W&B keeps the token of the service process it starts in the environment, so every
+    child process of one that used W&B inherits it (a Ray cluster started from such a
+    process passes it on to every worker) and connects to that one service. A service
+    shared that way outlives a killed rank 0 with the run's stream still open, and the
+    restarted rank's `wandb.init` of the same run id then fails with "run ID ... is in
+    use" for as long as the service lives. Rank 0 therefore starts its own service: a
+    token keeps only if this very process started its service (the token's second field
+    is that process's pid)."""
+    token = os.environ.get(WANDB_SERVICE)
+    if not token:
+        return None
+    fields = token.split("-")
+    if len(fields) > 1 and fields[1] == str(os.getpid()):
+        return None
+    del os.environ[WANDB_SERVICE]
+    return token
+
+
 class WandbBackend:
     name = "wandb"
 
@@ -207,6 +231,8 @@ class WandbBackend:
 
         self.folder.mkdir(parents=True, exist_ok=True)
         run_id = run_id or uuid.uuid4().hex[:16]  # the tracker stores one before opening
+        if (inherited := drop_inherited_wandb_service()) is not None:
+            log.info("tracker wandb: not using the W&B service of a parent (%s)", inherited)
         self.run = wandb.init(
             project=self.project,
             entity=self.entity,
