@@ -216,7 +216,7 @@ def _attention(segs: list[np.ndarray], cfg: JobConfig, device: torch.device) -> 
 def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     device = check_device(cfg, rt.local_rank)
     seed_all(cfg.train.seed)
-    staging.set_background_nice(cfg.checkpoint.background_nice)
+    staging.set_background_priority(cfg.checkpoint.background_nice, cfg.checkpoint.background_idle)
     # Local and shared-FS folders are used in place; S3 ones are fetched once per node.
     model_src = local_model_dir(cfg)
     tokenizer = load_tokenizer(local_tokenizer_dir(cfg), cfg.model.special_tokens)

@@ -157,35 +157,44 @@ def test_a_slow_write_that_keeps_writing_and_one_queued_behind_it_are_waited_for
     assert not staging.stuck()
 
 
-def test_background_writes_and_the_threads_they_start_yield_the_cpu_to_training(tmp_path):
-    """checkpoint.background_nice: the writer thread, and the transfer threads it starts,
-    run at that nice value; the thread that trains keeps its own."""
+@pytest.mark.parametrize(
+    ("more_nice", "idle"), [(7, False), (7, True), (0, True)], ids=["nice", "both", "sched_idle"]
+)
+def test_background_writes_and_the_threads_they_start_yield_the_cpu_to_training(
+    tmp_path, more_nice, idle
+):
+    """checkpoint.background_nice and background_idle: the writer thread, and the transfer
+    threads it starts, run at that nice value and (when idle) under SCHED_IDLE; the thread
+    that trains keeps its own."""
 
-    def nice() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    def priority() -> tuple[int, int]:
+        tid = threading.get_native_id()
+        return os.getpriority(os.PRIO_PROCESS, tid), os.sched_getscheduler(tid)
 
-    seen: dict[str, int] = {}
+    seen: dict[str, tuple[int, int]] = {}
 
     def write() -> None:
-        seen["writer"] = nice()
-        child = threading.Thread(target=lambda: seen.__setitem__("started by it", nice()))
+        seen["writer"] = priority()
+        child = threading.Thread(target=lambda: seen.__setitem__("started by it", priority()))
         child.start()
         child.join()
 
-    mine = nice()
+    mine = priority()
+    assert mine[1] == os.SCHED_OTHER
     writes = staging.BackgroundWrites()  # a fresh thread, never lowered before
-    staging.set_background_nice(mine + 7)
+    staging.set_background_priority(mine[0] + more_nice, idle=idle)
     try:
         writes.submit(tmp_path, write)
         writes.wait(tmp_path)
     finally:
-        staging.set_background_nice(0)
-    staging.lower_priority()  # on the thread that called set_background_nice: refused
-    assert seen == {"writer": mine + 7, "started by it": mine + 7}
-    assert nice() == mine
+        staging.set_background_priority(0)
+    staging.lower_priority()  # on the thread that called set_background_priority: refused
+    lowered = (mine[0] + more_nice, os.SCHED_IDLE if idle else os.SCHED_OTHER)
+    assert seen == {"writer": lowered, "started by it": lowered}
+    assert priority() == mine
 
 
-def test_dcp_async_writes_run_at_the_background_nice(tmp_path, monkeypatch):
+def test_dcp_async_writes_run_at_the_background_priority(tmp_path, monkeypatch):
     """FSDP's staged checkpoints are written by DCP's own save thread: its file writer
     lowers that thread's priority, and the files load back equal."""
     import torch.distributed.checkpoint as dcp
@@ -199,12 +208,13 @@ def test_dcp_async_writes_run_at_the_background_nice(tmp_path, monkeypatch):
 
     def recorded() -> None:
         real()
-        seen.append((threading.get_ident() == threading.main_thread().ident, nice()))
+        policy = os.sched_getscheduler(threading.get_native_id())
+        seen.append((threading.get_ident() == threading.main_thread().ident, nice(), policy))
 
     monkeypatch.setattr(staging, "lower_priority", recorded)
     mine = nice()
     state = {"w": torch.arange(12.0).reshape(3, 4), "step": torch.tensor(7)}
-    staging.set_background_nice(mine + 5)
+    staging.set_background_priority(mine + 5, idle=True)
     try:
         path = str(tmp_path / "dcp2")
         future = dcp.async_save(
@@ -212,8 +222,8 @@ def test_dcp_async_writes_run_at_the_background_nice(tmp_path, monkeypatch):
         )
         future.result()
     finally:
-        staging.set_background_nice(0)
-    assert seen and all(s == (False, mine + 5) for s in seen), seen
+        staging.set_background_priority(0)
+    assert seen and all(s == (False, mine + 5, os.SCHED_IDLE) for s in seen), seen
     assert nice() == mine
     back = {"w": torch.zeros(3, 4), "step": torch.tensor(0)}
     dcp.load(back, checkpoint_id=path)
