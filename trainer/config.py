@@ -395,17 +395,17 @@ class CheckpointSection(_Section):
     background_idle: bool = Field(
         default=True,
         description="The threads that write and upload checkpoints in the background (and "
-        "the transfer threads they start), and the trackers' senders, run under Linux's "
-        "SCHED_IDLE policy: they get a core only when training leaves one idle, and never "
-        "preempt it. false: only background_nice lowers them.",
+        "the transfer threads they start) run under Linux's SCHED_IDLE policy: they get a "
+        "core only when training leaves one idle, and never preempt it. false: only "
+        "background_nice lowers them.",
     )
     background_nice: int = Field(
         default=10,
         ge=0,
         le=19,
         description="Nice value of the threads that write and upload checkpoints in the "
-        "background (and the transfer threads they start), and of the trackers' senders, so "
-        "they take the CPU only when training leaves it idle; 0 keeps training's priority.",
+        "background (and the transfer threads they start), so they take the CPU only when "
+        "training leaves it idle; 0 keeps training's priority.",
     )
     stuck_write_s: float = Field(
         default=600.0,

@@ -229,60 +229,6 @@ def test_a_restarted_rank_zero_opens_its_run_in_a_service_of_its_own(tmp_path):
     assert [int(r["_step"]) for r in wandb_history(folder)] == [1]
 
 
-_PRIORITY_CHILD = """
-import json, os, sys, threading
-from pathlib import Path
-import psutil
-from trainer import staging
-from trainer.config import JobConfig
-from trainer.storage import resolve
-from trainer.tracking import Tracker
-tmp = Path(sys.argv[1])
-staging.set_background_priority(0, idle=True)  # as train() does, on the training thread
-cfg = JobConfig.model_validate({
-    "model": {"path": "m"}, "data": {"train_file": "t.jsonl"},
-    "storage": {"path": str(tmp / "runs")}, "run": {"name": "watch"},
-    "scaling": {"num_workers": 1},
-    "tracking": {"wandb": {"project": "p", "mode": "offline"}, "tensorboard": True},
-})
-t = Tracker(cfg, resolve(cfg.storage.path).join("watch"), 1, 0, [])
-for s in t.senders.values():
-    assert s.drain(300), s.failing
-threads = {th.name: os.sched_getscheduler(th.native_id) for th in threading.enumerate()}
-children = {p.name(): os.sched_getscheduler(p.pid) for p in psutil.Process().children(True)}
-t.close("finished")
-print(json.dumps({"threads": threads, "children": children}))
-"""
-
-
-def test_trackers_send_at_the_background_priority_and_so_does_what_they_start(tmp_path):
-    """Where training fills every core, the trackers must not take time slices from it:
-    each sender runs at the background checkpoint priority (SCHED_IDLE here), and so does
-    everything the tracker clients start from it: TensorBoard's and W&B's threads and
-    W&B's service process. The training thread keeps its own. (A fresh process: W&B
-    reuses a service this pytest process may have started at training's priority.)"""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
-    res = subprocess.run(
-        [sys.executable, "-c", _PRIORITY_CHILD, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
-    threads = got["threads"]
-    assert threads.pop("MainThread") == os.SCHED_OTHER
-    assert {"tracker-wandb", "tracker-tensorboard"} <= set(threads) and len(threads) > 2
-    assert all(p == os.SCHED_IDLE for p in threads.values()), threads
-    assert got["children"].get("wandb-core") == os.SCHED_IDLE, got["children"]
-
-
 def test_tensorboard_event_files_and_purge_on_resume(tmp_path):
     cfg = _cfg(tmp_path, tensorboard=True)
     run = resolve(cfg.storage.path).join("watch")

@@ -151,12 +151,8 @@ class Tracker(NullTracker):
             self.state["wandb"] = uuid.uuid4().hex[:16]
             self._write_state()
         params = flat_config(cfg)
-        from trainer import staging
-
         for name, backend in self.backends.items():
-            # At the background checkpoint priority (checkpoint.background_idle/_nice):
-            # where training fills every core, the trackers send in its idle moments.
-            s = Sender(name, limit=t.buffer, on_start=staging.lower_priority)
+            s = Sender(name, limit=t.buffer)
             self.senders[name] = s
             s.put("open", lambda n=name, be=backend: self._open(n, be))
             s.put("config", lambda be=backend: be.params_(params))

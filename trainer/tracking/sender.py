@@ -5,10 +5,6 @@ slow, or refusing) stays at the head of the queue and is retried with backoff; t
 failure is logged once as a warning, and recovery once as info. The queue is bounded:
 past `limit` items the oldest are dropped and counted. `close()` gives the queue a last
 deadline and reports what could not be sent; the points stay in metrics.jsonl.
-
-`on_start` runs first on the sender's thread: the trainer passes the background priority
-(`trainer.staging.lower_priority`), which the threads and processes the tracker's client
-starts from there inherit (TensorBoard's writer thread, W&B's service process).
 """
 
 from __future__ import annotations
@@ -41,15 +37,8 @@ class Outcome:
 
 
 class Sender:
-    def __init__(
-        self,
-        name: str,
-        limit: int = 100_000,
-        max_backoff_s: float = 30.0,
-        on_start: Callable[[], None] | None = None,
-    ):
+    def __init__(self, name: str, limit: int = 100_000, max_backoff_s: float = 30.0):
         self.name = name
-        self._on_start = on_start
         self.limit = limit
         self.max_backoff_s = max_backoff_s
         self._queue: collections.deque[Item] = collections.deque()
@@ -78,8 +67,6 @@ class Sender:
             self._cv.notify()
 
     def _run(self) -> None:
-        if self._on_start is not None:
-            self._on_start()
         backoff = 0.5
         while True:
             with self._cv:
