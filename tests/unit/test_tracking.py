@@ -5,6 +5,7 @@ rolled back by a restart is not logged twice, and an unreachable tracker never b
 
 from __future__ import annotations
 
+import datetime
 import json
 import threading
 import time
@@ -173,9 +174,15 @@ def test_wandb_offline_same_run_id_and_steps(tmp_path):
     run = resolve(cfg.storage.path).join("watch")
     _attempt(cfg, run, 1, 0, range(1, 6), status="failed")
     run_id = read_state(run)["wandb"]
-    # W&B names an offline run's folder by the second it opened: a real restart takes
-    # far longer than that, these two in-process attempts may not (same folder, flaky).
-    time.sleep(1.1)
+    # W&B names an offline run's folder by the (local) second it opened: a real restart
+    # takes far longer than that, these two in-process attempts may not (same folder).
+    # Attempt 2 opens once the clock has left the second in attempt 1's folder name.
+    (opened_folder,) = Path(run.path, "wandb").glob(f"offline-run-*-{run_id}")
+    opened = opened_folder.name.split("-")[2]  # offline-run-<YYYYmmdd_HHMMSS>-<id>
+    deadline = time.monotonic() + 30
+    while datetime.datetime.now().strftime("%Y%m%d_%H%M%S") == opened:
+        assert time.monotonic() < deadline, f"the clock stayed in {opened}"
+        time.sleep(0.02)
     _attempt(cfg, run, 2, 3, range(4, 7), [_record(s, 1) for s in range(1, 4)])
     assert read_state(run)["wandb"] == run_id
     folders = sorted(Path(run.path, "wandb").glob(f"offline-run-*-{run_id}"))
