@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import re
@@ -34,6 +33,7 @@ from tools.jobcli import cluster, runs
 from tools.jobcli.presets import SIZES, preset_overrides
 from trainer.config import JobConfig, load_config
 from trainer.errors import UserError
+from trainer.logs import SUMMARY_MARK, find_marked, print_marked
 from trainer.plan import add_arguments as add_plan_arguments
 from trainer.plan import submit_refusal
 
@@ -297,24 +297,38 @@ async def _follow(
         transient=False,
     )
     task = None
+
+    def take(line: str) -> None:
+        nonlocal summary, task
+        found, line = find_marked(line, SUMMARY_MARK)
+        if found is not None:
+            summary = found
+            if not line.strip():
+                return
+        if not echo:
+            return
+        if progress:
+            bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        else:
+            print(line, flush=True)
+        m = _STEP.search(line)
+        if m:
+            done, total = int(m.group(1)), int(m.group(2))
+            if task is None:
+                task = bar.add_task("train", total=total, loss=m.group(3))
+            bar.update(task, completed=done, total=total, loss=m.group(3))
+
     with bar:
+        # Ray's tail sends what the log file holds so far, so a chunk can end inside a
+        # line (the driver still writing it): that part waits for the rest of its line.
+        partial = ""
         async for chunk in client.tail_job_logs(job_id):
-            for line in chunk.splitlines():
-                if line.startswith("RAYLIFT_SUMMARY "):
-                    summary = json.loads(line[len("RAYLIFT_SUMMARY ") :])
-                    continue
-                if not echo:
-                    continue
-                if progress:
-                    bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
-                else:
-                    print(line, flush=True)
-                m = _STEP.search(line)
-                if m:
-                    done, total = int(m.group(1)), int(m.group(2))
-                    if task is None:
-                        task = bar.add_task("train", total=total, loss=m.group(3))
-                    bar.update(task, completed=done, total=total, loss=m.group(3))
+            *lines, partial = (partial + chunk).split("\n")
+            for line in lines:
+                for piece in line.splitlines() or [""]:
+                    take(piece)
+        for piece in partial.splitlines():
+            take(piece)
     return summary
 
 
@@ -500,7 +514,7 @@ def _run(args: argparse.Namespace, cfg: JobConfig, target: cluster.Target) -> in
 def _follow_to_end(client: Any, job_id: str, progress: bool) -> int:
     status, summary = follow(client, job_id, progress=progress)
     if summary:
-        print("RAYLIFT_SUMMARY " + json.dumps(summary), flush=True)
+        print_marked(SUMMARY_MARK, summary)
     print(f"job {job_id}: {status}", flush=True)
     if status == "SUCCEEDED":
         return 0

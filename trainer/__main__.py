@@ -18,7 +18,7 @@ import traceback
 
 from trainer.config import load_config
 from trainer.errors import UserError
-from trainer.logs import setup_logging
+from trainer.logs import SUMMARY_MARK, print_marked, setup_logging
 
 log = logging.getLogger("trainer")
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
         summary = run_job(cfg)
         if os.environ.get("RANK", "0") == "0":
-            print("RAYLIFT_SUMMARY " + json.dumps(summary, default=str), flush=True)
+            print_marked(SUMMARY_MARK, summary)
         return 0
     except UserError as exc:
         if args.debug:

@@ -10,13 +10,13 @@ The result is one `RAYLIFT_DOCTOR {json}` line; the client renders and judges it
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import socket
-import sys
 import uuid
 from typing import Any
+
+from trainer.logs import print_marked
 
 MARK = "RAYLIFT_DOCTOR "
 COLLECTIVE_TIMEOUT_S = 60
@@ -246,6 +246,5 @@ def run(options: dict[str, Any]) -> dict[str, Any]:
 
 def main(options: dict[str, Any]) -> int:
     result = run(options)
-    print(MARK + json.dumps(result), flush=True)
-    sys.stdout.flush()
+    print_marked(MARK, result)
     return 0

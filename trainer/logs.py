@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -82,3 +83,35 @@ def _quiet_ray_train_reports() -> None:
     except ImportError:
         return
     context.logger.setLevel(logging.WARNING)
+
+
+# What a driver hands back to the CLI travels as one marked JSON line in the job's log:
+# the run's summary, the cluster doctor's result (trainer.doctor.MARK).
+SUMMARY_MARK = "RAYLIFT_SUMMARY "
+
+
+def print_marked(mark: str, payload: dict, stream=None) -> None:
+    """Write `mark` and the payload's JSON with one write call, its newline included. A
+    driver's stdout is shared with Ray's log thread, which prints the workers' lines there;
+    print() writes the text and its newline separately, and such a line could land in
+    between (a fresh-clone CI run saw the summary's JSON followed by another line's text).
+    The start of another line can still come first: find_marked looks anywhere in a line."""
+    stream = stream if stream is not None else sys.stdout
+    stream.write(mark + json.dumps(payload, default=str) + "\n")
+    stream.flush()
+
+
+def find_marked(line: str, mark: str) -> tuple[dict | None, str]:
+    """The payload a log line carries after `mark`, and the rest of the line (what another
+    writer put before or after it). (None, line) where the line has no payload, or one cut
+    short."""
+    at = line.find(mark)
+    if at < 0:
+        return None, line
+    try:
+        payload, end = json.JSONDecoder().raw_decode(line, at + len(mark))
+    except ValueError:
+        return None, line
+    if not isinstance(payload, dict):
+        return None, line
+    return payload, line[:at] + line[end:]

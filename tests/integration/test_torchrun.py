@@ -13,6 +13,7 @@ import pytest
 
 from tests.helpers import torchrun as run_torchrun
 from tools.tiny import write_dataset
+from trainer.logs import SUMMARY_MARK, find_marked
 from trainer.metrics import lineage, read_records
 from trainer.storage import resolve
 
@@ -48,8 +49,9 @@ def test_torchrun_text_format_trains_checkpoints_and_exports(job, tmp_path):
     assert ckpts == ["step_00000008", "step_00000012"]  # keep_last=2
     state = json.loads((Path(run.path) / "step_00000012" / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and state["tokens_seen"] == 12 * 8 * 32
-    summary = next(line for line in res.stdout.splitlines() if line.startswith("RAYLIFT_SUMMARY "))
-    assert json.loads(summary.split(" ", 1)[1])["checkpoint"].endswith("step_00000012")
+    found = (find_marked(line, SUMMARY_MARK)[0] for line in res.stdout.splitlines())
+    summary = next(s for s in found if s is not None)
+    assert summary["checkpoint"].endswith("step_00000012")
     # Every logged step has both ranks' memory and step phases; every 4th record (and the
     # first) each rank's own values; the TensorBoard event file is in the run folder.
     assert all(r["mem_peak_gib_max"] > 0.1 and r["t_fwd_bwd_s_max"] > 0 for r in steps)

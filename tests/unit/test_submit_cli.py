@@ -222,3 +222,74 @@ def test_logs_follow_stderr_as_it_is_now_not_as_it_was(tmp_path, monkeypatch):
     monkeypatch.setattr(logging.Handler, "handleError", lambda self, rec: errors.append("x"))
     logging.getLogger("raylift.submit").info("opening a forward to %s", "i-0abc")
     assert errors == [] and "opening a forward to i-0abc" in second.getvalue()
+
+
+class _Tail:
+    """The Jobs API's log tail, with the chunk boundaries Ray's own tail sends: it yields
+    what the job's log file holds so far (ray.dashboard.modules.job.utils
+    .file_tail_iterator), so a chunk can end inside a line the driver is still writing."""
+
+    def __init__(self, chunks: list[str]) -> None:
+        self.chunks = chunks
+
+    async def tail_job_logs(self, job_id: str):
+        for chunk in self.chunks:
+            yield chunk
+
+
+def _follow(chunks: list[str]):
+    import asyncio
+
+    return asyncio.run(submit._follow(_Tail(chunks), "raysubmit_x", progress=False))
+
+
+def test_follow_finds_the_summary_cut_across_chunks_and_among_another_writers_text(capsys):
+    """A fresh-clone CI run crashed in follow() with 'Extra data': Ray's log thread printed a
+    worker's line into the driver's stdout between the summary's JSON and its newline."""
+    from trainer.logs import SUMMARY_MARK
+
+    summary = {"steps": 4, "checkpoint": "s3://b/r/step_4", "losses": [3.2, 2.0]}
+    line = SUMMARY_MARK + json.dumps(summary)
+    cut = len(line) // 2
+    chunks = [
+        "step 1/4 loss 3.20\n" + line[:cut],
+        line[cut:] + "(RayTrainWorker pid=9) saved\n\nstep 2/4 lo",
+        "ss 2.00\n",
+        "the last line, no newline",
+    ]
+    assert _follow(chunks) == summary
+    assert capsys.readouterr().out.splitlines() == [
+        "step 1/4 loss 3.20",
+        "(RayTrainWorker pid=9) saved",
+        "",
+        "step 2/4 loss 2.00",
+        "the last line, no newline",
+    ]
+    # The other order: a worker's line began before the summary and ended after it.
+    assert _follow(["(RayTrainWorker pid=9) step " + line + "line\n"]) == summary
+    assert capsys.readouterr().out == "(RayTrainWorker pid=9) step line\n"
+    # A summary cut short (a driver killed while writing it) is no summary, and no crash.
+    assert _follow(["x\n" + line[:cut] + "\n"]) is None
+    assert capsys.readouterr().out == "x\n" + line[:cut] + "\n"
+
+
+def test_marked_lines_are_one_write_and_doctor_finds_its_result_among_other_text():
+    from trainer.doctor import MARK
+    from trainer.logs import print_marked
+
+    class Stream:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> None:
+            self.writes.append(text)
+
+        def flush(self) -> None:
+            pass
+
+    result = {"nodes": [_node("a", "2.13.0")], "cluster": {}}
+    stream = Stream()
+    print_marked(MARK, result, stream)
+    assert stream.writes == [MARK + json.dumps(result) + "\n"]
+    mixed = f"noise\n(pid=3) a{MARK}{json.dumps(result)}(pid=4) b\n(pid=3) tail\n"
+    assert doctor.parse(mixed) == result

@@ -8,21 +8,22 @@ attacker would: a request to the Jobs API without the token must be refused.
 
 from __future__ import annotations
 
-import json
 import urllib.error
 import urllib.request
 from collections import Counter
 from typing import Any
 
 from trainer.doctor import MARK
+from trainer.logs import find_marked
 
 VERSIONED = ("python", "ray", "torch", "transformers")
 
 
 def parse(logs: str) -> dict[str, Any] | None:
     for line in reversed(logs.splitlines()):
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK) :])
+        found, _ = find_marked(line, MARK)
+        if found is not None:
+            return found
     return None
 
 
