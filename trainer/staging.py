@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 log = logging.getLogger(__name__)
 
@@ -46,33 +47,82 @@ Writer = Callable[[], None]
 """Writes what a part staged; runs on the background thread."""
 
 
-def snapshot(obj: Any, pin: bool = False) -> Any:
-    """A copy of a (nested) state dict whose tensors are fresh host-memory copies, so the
+Buffers = WeakIdKeyDictionary
+"""Host copies kept from one checkpoint to the next (`Stager`), by the storage they copy."""
+
+
+def _copy_of(t: torch.Tensor, pin: bool, buffers: Buffers | None) -> torch.Tensor:
+    if buffers is not None:
+        kept = buffers.get(t.untyped_storage(), {})
+        key = (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        out = kept.get(key)
+        if out is not None:
+            return out.copy_(t, non_blocking=pin and t.device.type == "cuda")
+    if pin and t.device.type == "cuda":
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+    else:
+        out = t.to("cpu", copy=True)
+    if buffers is not None:
+        buffers.setdefault(t.untyped_storage(), {})[key] = out
+    return out
+
+
+def snapshot(obj: Any, pin: bool = False, buffers: Buffers | None = None) -> Any:
+    """A copy of a (nested) state dict whose tensors are host-memory copies, so the
     optimizer may step on while the copy is written. Containers are rebuilt, immutable
     leaves (numbers, strings, shapes) shared, any other object deep-copied. `pin` (GPUs)
-    copies into page-locked memory."""
+    copies into page-locked memory. With `buffers` (a `Stager`'s), a tensor whose storage
+    was copied before is copied into the same host memory again instead of new memory."""
     if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if pin and t.device.type == "cuda":
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            return out.copy_(t, non_blocking=True)
-        return t.to("cpu", copy=True)
+        return _copy_of(obj.detach(), pin, buffers)
     if isinstance(obj, dict):  # OrderedDict, defaultdict: the same type, a new object
         out = copy.copy(obj)
         for k, v in obj.items():
-            out[k] = snapshot(v, pin)
+            out[k] = snapshot(v, pin, buffers)
         return out
     if isinstance(obj, list):
-        return [snapshot(v, pin) for v in obj]
+        return [snapshot(v, pin, buffers) for v in obj]
     if type(obj) is tuple:
-        return tuple(snapshot(v, pin) for v in obj)
+        return tuple(snapshot(v, pin, buffers) for v in obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(snapshot(v, pin) for v in obj))
+        return type(obj)(*(snapshot(v, pin, buffers) for v in obj))
     if obj is None or isinstance(obj, str | bytes | int | float | complex | torch.Size):
         return obj  # immutable leaves
     # Any other object (DeepSpeed's loss scaler, a set of names): a deep copy, or the step
     # after this one could change what the background thread writes.
     return copy.deepcopy(obj)
+
+
+class Stager:
+    """Keeps a part's staging copies from one checkpoint to the next, so that the next
+    checkpoint copies into memory the process already holds. New memory is the dear part
+    of a copy: on this project's 2-core VM touching 256 MB of fresh memory took 0.27 s,
+    the same 256 MB again 0.07 s, and pinned memory is dearer still to allocate. The
+    price is that the copy stays resident between checkpoints (the planner counts one
+    staging copy per rank either way).
+
+    A checkpoint `claim`s the buffers for its copies and `release`s them once its write
+    has read them. One that comes while an earlier write still reads them gets None, and
+    copies into new memory, as without a stager: a buffer is never overwritten while a
+    write reads it. A write given up as hung never releases them."""
+
+    def __init__(self) -> None:
+        self._buffers = Buffers()
+        self._lock = threading.Lock()
+        self._claimed = False
+
+    def claim(self) -> Buffers | None:
+        with self._lock:
+            if self._claimed:
+                return None
+            self._claimed = True
+            return self._buffers
+
+    def release(self, buffers: Buffers | None) -> None:
+        if buffers is not None:
+            with self._lock:
+                self._claimed = False
 
 
 def copy_done() -> None:

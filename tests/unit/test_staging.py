@@ -250,6 +250,58 @@ def test_snapshot_copies_tensors_and_keeps_structure():
     assert type(copy["shapes"]) is OrderedDict and type(copy["shapes"]["w"]) is torch.Size
 
 
+def test_a_stager_copies_into_the_memory_it_kept_once_the_write_before_has_read_it():
+    t = torch.arange(8.0)
+    state = {"w": t, "head": t[:4], "tail": t[4:]}  # views of one storage: a copy each
+    stager = staging.Stager()
+    first = stager.claim()
+    assert first is not None
+    one = staging.snapshot(state, buffers=first)
+    # A checkpoint while the first one's write still reads its copies: new memory.
+    assert stager.claim() is None
+    t.add_(1)
+    two = staging.snapshot(state, buffers=None)
+    assert one["w"].data_ptr() != two["w"].data_ptr()
+    assert torch.equal(one["w"], torch.arange(8.0)) and torch.equal(two["w"], t)
+    stager.release(None)  # the second's release frees nothing
+    assert stager.claim() is None
+    stager.release(first)  # the first write is done
+    t.add_(1)
+    third = stager.claim()
+    three = staging.snapshot(state, buffers=third)
+    assert [three[k].data_ptr() for k in state] == [one[k].data_ptr() for k in state]
+    assert torch.equal(three["w"], torch.arange(8.0) + 2)
+    assert torch.equal(three["head"], torch.arange(4.0) + 2)
+    assert torch.equal(three["tail"], torch.arange(4.0, 8.0) + 2)
+    # A tensor the stager never saw (an optimizer state made after a load) gets new memory.
+    other = staging.snapshot({"w": torch.arange(8.0)}, buffers=third)
+    assert other["w"].data_ptr() not in {one[k].data_ptr() for k in state}
+
+
+def test_ddp_checkpoint_staged_while_the_one_before_is_written_keeps_both_steps(
+    model_dir,  # noqa: F811
+    tmp_path,
+):
+    """Two checkpoints one step apart, the first's write not yet run when the second is
+    staged: each file holds its own step (the second may not copy into the memory the
+    first's write still reads). A third, after both, is right too (kept memory reused)."""
+    s = _strategy(model_dir)
+    writes, wants = [], []
+    for n in range(3):
+        _train_step(s, n)
+        wants.append({k: v.clone() for k, v in s.hf.state_dict().items()})
+        (tmp_path / f"ckpt{n}").mkdir()
+        writes.append(s.stage_state(tmp_path / f"ckpt{n}", 0))
+        if n == 1:  # the first two are written only now, newest first
+            writes[1]()
+            writes[0]()
+    writes[2]()
+    for n, want in enumerate(wants):
+        got = torch.load(tmp_path / f"ckpt{n}" / "model.pt", weights_only=True)
+        assert all(torch.equal(got[k], v) for k, v in want.items()), n
+    assert not torch.equal(wants[0]["lm_head.weight"], wants[1]["lm_head.weight"])
+
+
 def _local(path: Path):
     from trainer.storage import resolve
 
@@ -401,6 +453,10 @@ def _fsdp_worker(rank: int, model: str, init: str, out: str, second: Any) -> Non
         with s.accumulating(True):
             s.backward(s.model(input_ids=x, labels=x).loss)
         s.step()
+        # What this checkpoint must hold (full_tensor is a collective: every rank asks).
+        want = {k: p.full_tensor().clone() for k, p in s.model.named_parameters()}
+        if rank == 0:
+            torch.save(want, Path(out) / f"want{n}.pt")
         if n == 1 and rank == 1:
             second.set()
         writes.append(s.stage_state(Path(out) / f"ckpt{n}", rank))
@@ -415,7 +471,6 @@ def test_fsdp_checkpoints_in_quick_succession_are_written_one_after_another(mode
     one rank) are all written, each loadable: the saves' collectives never cross."""
     import time
 
-    import torch.distributed.checkpoint as dcp
     import torch.multiprocessing as mp
 
     second = mp.get_context("spawn").Event()  # rank 1 is at its second checkpoint
@@ -434,6 +489,13 @@ def test_fsdp_checkpoints_in_quick_succession_are_written_one_after_another(mode
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
-    for n in range(3):
-        meta = dcp.FileSystemReader(str(tmp_path / f"ckpt{n}" / "dcp2")).read_metadata()
-        assert any(k.startswith("model.") for k in meta.state_dict_metadata), n
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    # Each holds its own step, though all three were copied into the same kept memory.
+    wants = [torch.load(tmp_path / f"want{n}.pt", weights_only=True) for n in range(3)]
+    for n, want in enumerate(wants):
+        dcp_to_torch_save(tmp_path / f"ckpt{n}" / "dcp2", tmp_path / f"full{n}.pt")
+        got = torch.load(tmp_path / f"full{n}.pt", weights_only=False)["model"]
+        assert set(want) <= set(got), sorted(set(want) - set(got))[:3]
+        assert all(torch.equal(got[k], v) for k, v in want.items()), n
+    assert not torch.equal(wants[0]["lm_head.weight"], wants[2]["lm_head.weight"])

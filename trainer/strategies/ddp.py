@@ -39,6 +39,7 @@ class DDPStrategy(ModelCalls):
         self.cfg = cfg
         self.device = device
         self.world_size = world_size
+        self._stager = staging.Stager()
         self._autocast = autocast(cfg, device)
         self.scaler = loss_scaler(cfg)
         self.model: torch.nn.Module
@@ -117,8 +118,20 @@ class DDPStrategy(ModelCalls):
         by the background thread (trainer.staging); rank 0 only, as `save_state`."""
         if rank != 0:
             return None
-        copy = staging.snapshot(self._resume_state(), pin=self.device.type == "cuda")
-        return lambda: _write(copy, out)
+        buffers = self._stager.claim()
+        try:
+            copy = staging.snapshot(self._resume_state(), self.device.type == "cuda", buffers)
+        except BaseException:
+            self._stager.release(buffers)
+            raise
+
+        def write() -> None:
+            try:
+                _write(copy, out)
+            finally:
+                self._stager.release(buffers)
+
+        return write
 
     def load_state(self, ckpt: Path, rank: int) -> None:
         try:

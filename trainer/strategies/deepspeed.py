@@ -92,6 +92,7 @@ class DeepSpeedStrategy(ModelCalls):
         self.device = device
         self.world_size = world_size
         self._last = True
+        self._stager = staging.Stager()
         self.model: Any
         self.optimizer: torch.optim.Optimizer
 
@@ -195,17 +196,24 @@ class DeepSpeedStrategy(ModelCalls):
         checkpoint engine (host-memory copies of the state dicts it would write); the
         returned writer serialises them with the engine's own checkpoint engine."""
         own = self.engine.checkpoint_engine
-        staged = _staging_engine_class()(pin=self.device.type == "cuda")
+        buffers = self._stager.claim()
+        staged = _staging_engine_class()(self.device.type == "cuda", buffers)
         self.engine.checkpoint_engine = staged
         try:
             self.engine.save_checkpoint(str(out / "ds"), tag=TAG, save_latest=False)
+        except BaseException:
+            self._stager.release(buffers)
+            raise
         finally:
             self.engine.checkpoint_engine = own
         files = staged.take()
 
         def write() -> None:
-            for path, state in files:
-                own.save(state, path)
+            try:
+                for path, state in files:
+                    own.save(state, path)
+            finally:
+                self._stager.release(buffers)
 
         return write
 
@@ -318,17 +326,18 @@ def _staging_engine_class() -> type:
         instead of writing; `take()` hands the copies over. Folders are still made at
         once (DeepSpeed makes them, and copies its recovery scripts, inline)."""
 
-        def __init__(self, pin: bool) -> None:
+        def __init__(self, pin: bool, buffers: staging.Buffers | None = None) -> None:
             super().__init__(None)
             self.name = "RayliftStagingCheckpointEngine"
             self.pin = pin
+            self.buffers = buffers
             self._files: list[tuple[str, Any]] = []
 
         def create(self, info: Any) -> None:
             pass
 
         def save(self, state_dict: Any, path: str) -> None:
-            self._files.append((path, staging.snapshot(state_dict, self.pin)))
+            self._files.append((path, staging.snapshot(state_dict, self.pin, self.buffers)))
 
         def load(self, path: str, map_location: Any = None) -> Any:
             raise CheckpointError("the staging checkpoint engine only saves")

@@ -348,32 +348,30 @@ class FSDPStrategy(ModelCalls):
             staging.wait_unless_stuck(previous)
         state, _ = self._state()
         gpu = self.device.type == "cuda"
-        stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=gpu,
-                use_shared_memory=False,
-                use_async_staging=False,
-                use_non_blocking_copy=gpu,
+        # One stager for the run: it keeps its host copies and copies the next save into
+        # them (trainer.staging.Stager says why), which is safe because the save before
+        # has finished reading them (above).
+        stager = getattr(self, "_dcp_stager", None)
+        if stager is None:
+            stager = self._dcp_stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=gpu,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=gpu,
+                )
             )
+        future = dcp.async_save(
+            state,
+            checkpoint_id=str(out / "dcp2"),
+            storage_writer=_background_writer_class()(str(out / "dcp2")),
+            process_group=self._checkpoint_group(),
+            async_stager=stager,
         )
-        try:
-            future = dcp.async_save(
-                state,
-                checkpoint_id=str(out / "dcp2"),
-                storage_writer=_background_writer_class()(str(out / "dcp2")),
-                process_group=self._checkpoint_group(),
-                async_stager=stager,
-            )
-        except BaseException:
-            stager.close()
-            raise
         self._dcp_save = future
 
         def write() -> None:
-            try:
-                future.result()
-            finally:
-                stager.close()
+            future.result()
 
         return write
 
