@@ -285,6 +285,44 @@ def test_sender_retries_in_background_and_bounds_its_buffer():
     assert calls == [-1, *range(51, 150)]
 
 
+def test_batch_sender_sends_records_several_to_a_call_in_order_and_retries_a_batch():
+    calls: list[object] = []
+    down = threading.Event()
+
+    def batch(payloads):
+        if down.is_set():
+            down.clear()
+            raise ConnectionError("store busy")
+        calls.append(list(payloads))
+
+    s = Sender("t", max_backoff_s=0.05, batch=batch, linger_s=600, max_batch=3)
+    s.put("open", lambda: calls.append("open"))
+    for i in range(4):  # three fill a batch; the fourth lingers for company
+        s.put("metrics", None, payload=i)
+    s.put("tag", lambda: calls.append("tag"))  # a plain item ends a run of records
+    down.set()  # the first batch fails once and is sent again, whole
+    s.put("metrics", None, payload=4)
+    assert s.drain(60)  # a drain sends what lingers at once
+    assert calls == ["open", [0, 1, 2], [3], "tag", [4]]
+    assert s.sent == 7 and s.failing is None
+    with pytest.raises(ValueError):
+        s.put("metrics", lambda: None, payload=5)  # a call or a payload, not both
+    s.close(timeout_s=10)
+
+
+def test_batch_sender_sends_a_lone_record_once_it_has_lingered():
+    got: list[list[int]] = []
+    s = Sender("t", batch=got.append, linger_s=1.0, max_batch=16)
+    t0 = time.monotonic()
+    s.put("metrics", None, payload=1)
+    assert s.sent == 0  # waiting for company
+    deadline = t0 + 60
+    while s.sent == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert got == [[1]] and time.monotonic() - t0 >= 0.95
+    s.close(timeout_s=10)
+
+
 def test_no_tracker_for_other_ranks_or_smoke_runs(tmp_path):
     cfg = _cfg(tmp_path, tensorboard=True)
     run = resolve(cfg.storage.path).join("watch")

@@ -30,6 +30,11 @@ log = logging.getLogger("trainer.tracking")
 
 STATE_FILE = "tracking.json"
 FAILED_CLOSE_TIMEOUT_S = 10.0
+# MLflow gets its metric records up to 16 a call (about 1000 metrics, its limit per call
+# for records of ~60 values), the first waiting at most 5 s for the rest: a chart up to
+# 5 s behind, for 7 ms of CPU per record instead of 19 (trainer.tracking.sender).
+MLFLOW_LINGER_S = 5.0
+MLFLOW_MAX_BATCH = 16
 """The most a failed attempt waits for trackers to take what is queued (Ray tears its
 worker group down soon after); otherwise `tracking.close_timeout_s`."""
 
@@ -152,7 +157,16 @@ class Tracker(NullTracker):
             self._write_state()
         params = flat_config(cfg)
         for name, backend in self.backends.items():
-            s = Sender(name, limit=t.buffer)
+            if name == "mlflow":  # records go several to a call (trainer.tracking.sender)
+                s = Sender(
+                    name,
+                    limit=t.buffer,
+                    batch=backend.metrics_many,
+                    linger_s=MLFLOW_LINGER_S,
+                    max_batch=MLFLOW_MAX_BATCH,
+                )
+            else:
+                s = Sender(name, limit=t.buffer)
             self.senders[name] = s
             s.put("open", lambda n=name, be=backend: self._open(n, be))
             s.put("config", lambda be=backend: be.params_(params))
@@ -160,7 +174,7 @@ class Tracker(NullTracker):
                 # Steps it missed (it asks the run which it has, so nothing is sent twice).
                 for rec in history:
                     if int(rec["step"]) <= start:
-                        s.put("metrics", self._metrics_call(backend, rec))
+                        self._put_metrics(name, backend, rec)
 
     def _folder(self, name: str, configured: str | None) -> Path:
         """Where a tracker writes files: the run folder itself on a local/shared FS, else a
@@ -197,9 +211,17 @@ class Tracker(NullTracker):
         values = flatten_record(record)
         return lambda: backend.metrics(step, values, when)
 
+    def _put_metrics(self, name: str, backend: Any, record: dict[str, Any]) -> None:
+        sender = self.senders[name]
+        if sender.batch is None:
+            sender.put("metrics", self._metrics_call(backend, record))
+            return
+        step, when = int(record["step"]), float(record.get("time") or 0.0)
+        sender.put("metrics", None, payload=(step, flatten_record(record), when))
+
     def metrics(self, record: dict[str, Any]) -> None:
         for name, backend in self.backends.items():
-            self.senders[name].put("metrics", self._metrics_call(backend, record))
+            self._put_metrics(name, backend, record)
 
     def tag(self, key: str, value: str) -> None:
         for name, backend in self.backends.items():

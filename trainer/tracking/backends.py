@@ -121,15 +121,23 @@ class MlflowBackend:
             self.client.set_tag(self.run_id, f"raylift.changed.{k}", v[:5000])
 
     def metrics(self, step: int, values: dict[str, Any], when: float) -> None:
+        self.metrics_many([(step, values, when)])
+
+    def metrics_many(self, records: list[tuple[int, dict[str, Any], float]]) -> None:
+        """Several records' metrics in as few `log_batch` calls as MLflow allows (1000
+        metrics a call): its store spends most of a call on the call itself."""
         from mlflow.entities import Metric
 
-        if step in self.steps:
-            return
-        ms = int(when * 1000)
-        items = [Metric(k.replace("/", "."), v, ms, step) for k, v in _scalars(values).items()]
+        items, steps = [], []
+        for step, values, when in records:
+            if step in self.steps or step in steps:
+                continue
+            ms = int(when * 1000)
+            items += [Metric(k.replace("/", "."), v, ms, step) for k, v in _scalars(values).items()]
+            steps.append(step)
         for i in range(0, len(items), 1000):
             self.client.log_batch(self.run_id, metrics=items[i : i + 1000])
-        self.steps.add(step)
+        self.steps.update(steps)
 
     def tag(self, key: str, value: str) -> None:
         self.client.set_tag(self.run_id, key, value[:5000])
@@ -172,8 +180,20 @@ class TensorBoardBackend:
         self.writer.add_text("config", text, global_step=self.start)
 
     def metrics(self, step: int, values: dict[str, Any], when: float) -> None:
-        for k, v in _scalars(values).items():
-            self.writer.add_scalar(k, v, global_step=step, walltime=when)
+        """One event per record, holding every scalar of it (a summary with many values,
+        as TensorFlow's merged summaries write; TensorBoard reads each value as its own
+        series). `add_scalar` per value cost 7.4 ms of CPU per 54-value record here, most
+        of it tensorboardX passing each event through a multiprocessing queue; one event,
+        1.5 ms. (`_get_file_writer` is what `add_scalar` itself calls; tensorboardX is
+        pinned.)"""
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        scalars = _scalars(values)
+        if scalars:
+            summary = Summary(
+                value=[Summary.Value(tag=k, simple_value=v) for k, v in scalars.items()]
+            )
+            self.writer._get_file_writer().add_summary(summary, step, when)
 
     def tag(self, key: str, value: str) -> None:
         self.writer.add_text(key, value, global_step=self.start)
