@@ -87,7 +87,7 @@ class Sender:
                 if old is not None:
                     self._queue.remove(old)
                     self.dropped += old.points
-            self._cv.notify()
+            self._cv.notify_all()  # the sender, which may be lingering, not a drain
 
     def _run(self) -> None:
         backoff = 0.5
