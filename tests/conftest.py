@@ -57,12 +57,8 @@ os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 S3_KEY, S3_SECRET = "raylift-test", "raylift-test-secret"
 
 # The longest files first: `make test` runs two workers a file at a time, and a long file
-# started last would leave one worker idle while the other finishes it. The image tests
-# lead: on a machine whose image store is empty (a fresh CI machine) they build the real
-# CPU chain, 450 s of one worker; started last (as they were), the fresh-clone CI took
-# 2059 s, of which the other worker sat idle for much of the last image build.
+# started last would leave one worker idle while the other finishes it.
 LONGEST_FIRST = (
-    "test_images.py",
     "test_strategies.py",
     "test_faults.py",
     "test_ray_train.py",
