@@ -312,13 +312,17 @@ def test_batch_sender_sends_records_several_to_a_call_in_order_and_retries_a_bat
 
 def test_batch_sender_sends_a_lone_record_once_it_has_lingered():
     got: list[list[int]] = []
-    s = Sender("t", batch=got.append, linger_s=1.0, max_batch=16)
+    sent = threading.Event()
+
+    def batch(payloads: list[int]) -> None:
+        got.append(payloads)
+        sent.set()
+
+    s = Sender("t", batch=batch, linger_s=1.0, max_batch=16)
     t0 = time.monotonic()
     s.put("metrics", None, payload=1)
-    assert s.sent == 0  # waiting for company
-    deadline = t0 + 60
-    while s.sent == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    assert not sent.is_set()  # waiting for company
+    assert sent.wait(60)
     assert got == [[1]] and time.monotonic() - t0 >= 0.95
     s.close(timeout_s=10)
 
