@@ -205,19 +205,15 @@ class Tracker(NullTracker):
             self._write_state()
         log.info("tracker %s: run %s", name, run_id)
 
-    @staticmethod
-    def _metrics_call(backend: Any, record: dict[str, Any]) -> Any:
-        step, when = int(record["step"]), float(record.get("time") or 0.0)
-        values = flatten_record(record)
-        return lambda: backend.metrics(step, values, when)
-
     def _put_metrics(self, name: str, backend: Any, record: dict[str, Any]) -> None:
+        """(step, tracker keys, time) of a record: a batch sender's payload, or the
+        arguments of the backend's `metrics` call."""
+        args = (int(record["step"]), flatten_record(record), float(record.get("time") or 0.0))
         sender = self.senders[name]
         if sender.batch is None:
-            sender.put("metrics", self._metrics_call(backend, record))
-            return
-        step, when = int(record["step"]), float(record.get("time") or 0.0)
-        sender.put("metrics", None, payload=(step, flatten_record(record), when))
+            sender.put("metrics", lambda: backend.metrics(*args))
+        else:
+            sender.put("metrics", None, payload=args)
 
     def metrics(self, record: dict[str, Any]) -> None:
         for name, backend in self.backends.items():
