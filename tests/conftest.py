@@ -56,33 +56,19 @@ os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 
 S3_KEY, S3_SECRET = "raylift-test", "raylift-test-secret"
 
-# The longest files first (longest-processing-time order): `make test` runs two workers a
-# file at a time, each taking the next file when it finishes one, so a long file started
-# last leaves one worker idle while the other finishes it. Seconds per file (setup
-# included) from a fresh-clone CI run on the 2-core machine, warm image store; a file not
-# listed is short and runs after these, in collection order.
+# The longest files first: `make test` runs two workers a file at a time, and a long file
+# started last would leave one worker idle while the other finishes it.
 LONGEST_FIRST = (
-    "test_faults.py",  # 836
-    "test_strategies.py",  # 685
-    "test_images.py",  # 186 (~600 on an empty image store)
-    "test_bench_faults.py",  # 168
-    "test_ray_train.py",  # 156
-    "test_bench_compile.py",  # 136
-    "test_parallel.py",  # 131
-    "test_bench_overhead.py",  # 97
-    "test_torchrun.py",  # 95
-    "test_data_cluster.py",  # 95
-    "test_packing_loop.py",  # 82
-    "test_bench_data_scale.py",  # 77
-    "test_gpucheck_cpu.py",  # 73
-    "test_job_cli.py",  # 60
-    "test_bench_planner.py",  # 57
-    "test_bench_strategies.py",  # 55
-    "test_doctor.py",  # 52
-    "test_staging.py",  # 47
-    "test_bench_data.py",  # 42
-    "test_tracking.py",  # 35
-    "test_infra_program.py",  # 31
+    "test_strategies.py",
+    "test_faults.py",
+    "test_ray_train.py",
+    "test_gpucheck_cpu.py",
+    "test_packing_loop.py",
+    "test_job_cli.py",
+    "test_data_cluster.py",
+    "test_doctor.py",
+    "test_agent_drain.py",
+    "test_torchrun.py",
 )
 
 
