@@ -18,8 +18,8 @@ by default: how much of the stall is the server's share of the cores),
 RAYLIFT_BENCH_STALL_TOTAL=1 (also the whole run's cost per checkpoint, against a run
 without them), RAYLIFT_BENCH_RECOVERY_STEPS (the recovery run's length), rounds:
 RAYLIFT_BENCH_REPEATS, strategies: RAYLIFT_BENCH_STALL_STRATEGIES (comma-separated; a
-smoke run takes ZeRO-2 only: the harness is the same for all, and each strategy's staging
-is tested in tests/unit/test_staging.py and the fault tests)."""
+smoke run takes DDP only, the cheapest to start: the harness is the same for all, and each
+strategy's staging is tested in tests/unit/test_staging.py and the fault tests)."""
 
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ STALL_STRATEGIES: dict[str, dict[str, Any]] = {
 
 
 def stall_strategies() -> list[str]:
-    default = "zero2" if smoke() else ",".join(STALL_STRATEGIES)
+    default = "ddp" if smoke() else ",".join(STALL_STRATEGIES)
     names = [n for n in os.environ.get("RAYLIFT_BENCH_STALL_STRATEGIES", default).split(",") if n]
     unknown = sorted(set(names) - set(STALL_STRATEGIES))
     assert not unknown, f"RAYLIFT_BENCH_STALL_STRATEGIES: unknown {unknown}"
