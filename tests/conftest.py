@@ -302,11 +302,11 @@ class WeedServer:
         """The unix sockets weed made for this server's ports. It puts them in /tmp
         whatever TMPDIR says (`/tmp/seaweedfs-<service>[-grpc]-<port>.sock`, the gRPC ones
         on port + 10000) and leaves them there when it stops."""
-        ports = {p + offset for p in self.ports.values() for offset in (0, 10000)}
+        ports = {str(p + offset) for p in self.ports.values() for offset in (0, 10000)}
         return [
             path
             for path in Path("/tmp").glob("seaweedfs-*.sock")
-            if path.stem.rpartition("-")[2].isdigit() and int(path.stem.rpartition("-")[2]) in ports
+            if path.stem.rpartition("-")[2] in ports
         ]
 
     def stop(self) -> None:

@@ -360,9 +360,109 @@ def trainer_job(
     }
 
 
+def _steady(records: Sequence[Mapping[str, Any]], skip: float) -> Sequence[Mapping[str, Any]]:
+    steps = [r for r in records if r.get("event") == "train"]
+    return steps[int(len(steps) * skip) :]
+
+
 def steady_tokens_per_s(records: Sequence[Mapping[str, Any]], skip: float = 0.2) -> float:
     """Tokens/s over a run's train records after the first `skip` share (warm-up)."""
-    steps = [r for r in records if r.get("event") == "train"]
-    steady = steps[int(len(steps) * skip) :]
+    steady = _steady(records, skip)
     tokens = steady[-1]["tokens_seen"] - steady[0]["tokens_seen"]
     return tokens / (steady[-1]["time"] - steady[0]["time"])
+
+
+def steady_window(records: Sequence[Mapping[str, Any]], skip: float = 0.2) -> tuple[float, float]:
+    """The wall-clock span (time.time()) that `steady_tokens_per_s` measures."""
+    steady = _steady(records, skip)
+    return float(steady[0]["time"]), float(steady[-1]["time"])
+
+
+def torch_or_ray_worker(cmdlines: Mapping[int, Sequence[str]], pid: int, ppid: int) -> bool:
+    """A training process of the trainer benchmarks: a Ray Train worker (its process title
+    is `ray::RayTrainWorker...`) or a process `torchrun` started (its parent runs
+    `torch.distributed.run`)."""
+    cmd = cmdlines.get(pid) or ()
+    if cmd and cmd[0].startswith("ray::RayTrainWorker"):
+        return True
+    return "torch.distributed.run" in (cmdlines.get(ppid) or ())
+
+
+class CpuWatch:
+    """Where the machine's CPU went while a benchmark ran: the training processes against
+    everything else (Ray's own processes, servers, the harness), sampled with psutil every
+    `interval` seconds on a background thread.
+
+        with CpuWatch(torch_or_ray_worker) as cpu:
+            ...                        # run commands
+            train, other = cpu.cores(t0, t1)   # mean cores over [t0, t1] (time.time())
+
+    A window is widened to the samples around it. Training cores count the processes
+    that were training at both ends of the window.
+    """
+
+    def __init__(
+        self,
+        is_training: Callable[[Mapping[int, Sequence[str]], int, int], bool],
+        interval: float = 0.25,
+    ):
+        self.is_training = is_training
+        self.interval = interval
+        # (time, machine busy CPU-seconds, {training pid: its CPU-seconds})
+        self.samples: list[tuple[float, float, dict[int, float]]] = []
+        self._stop = False
+        self._thread: Any = None
+
+    @staticmethod
+    def _busy() -> float:
+        import psutil
+
+        t = psutil.cpu_times()
+        # guest time is already inside user (Linux); idle and iowait are not busy.
+        return sum(
+            getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal")
+        )
+
+    def sample(self) -> None:
+        import psutil
+
+        procs = []
+        for p in psutil.process_iter(["pid", "ppid", "cmdline", "cpu_times"]):
+            if p.info["cpu_times"] is not None:
+                procs.append(p.info)
+        cmdlines = {i["pid"]: i["cmdline"] or () for i in procs}
+        training = {
+            i["pid"]: i["cpu_times"].user + i["cpu_times"].system
+            for i in procs
+            if self.is_training(cmdlines, i["pid"], i["ppid"])
+        }
+        self.samples.append((time.time(), self._busy(), training))
+
+    def _run(self) -> None:
+        while not self._stop:
+            self.sample()
+            time.sleep(self.interval)
+
+    def __enter__(self) -> CpuWatch:
+        import threading
+
+        self.sample()
+        self._thread = threading.Thread(target=self._run, name="cpu-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop = True
+        self._thread.join()
+
+    def cores(self, t0: float, t1: float) -> tuple[float, float]:
+        """(training cores, other cores), the mean over [t0, t1]; NaN without two samples
+        around the window."""
+        before = [s for s in self.samples if s[0] <= t0]
+        after = [s for s in self.samples if s[0] >= t1]
+        if not before or not after:
+            return math.nan, math.nan
+        (ta, busy_a, train_a), (tb, busy_b, train_b) = before[-1], after[0]
+        seconds = tb - ta
+        train = sum(train_b[pid] - cpu for pid, cpu in train_a.items() if pid in train_b)
+        return train / seconds, (busy_b - busy_a - train) / seconds

@@ -20,6 +20,15 @@ phases and gather them once per logged step; `raylift_torchrun_watched` also log
 record to MLflow (a sqlite store), W&B (offline) and TensorBoard from rank 0's background
 senders. Target: ≥ 0.99 of the unwatched torchrun run, within the same round.
 
+Where the cores went (no targets, reported to explain the ratios): psutil samples the
+machine through every round, and each run reports the cores its training processes used
+over its steady window (`train_cores`) and what everything else used meanwhile
+(`other_cores`: Ray's own processes, the harness). `ray_train_per_train_cpu` is tokens
+per training CPU-second, Ray Train against bare: the loop's own per-step costs under Ray
+Train, whatever Ray's other processes take from the workers' cores. `ray_other_cores` is
+how many more cores the rest of the machine used during the Ray Train run than during the
+bare one (the cluster is up for both).
+
 Sizes (for a quick run on a busy machine): RAYLIFT_BENCH_STEPS, RAYLIFT_BENCH_HIDDEN,
 RAYLIFT_BENCH_LAYERS; RAYLIFT_BENCH_LOG_EVERY sets the steps between metric records;
 RAYLIFT_BENCH_REPEATS the rounds.
@@ -34,10 +43,13 @@ import yaml
 
 from tests.bench.benchutil import (
     Check,
+    CpuWatch,
     run_benchmark,
     size,
     smoke,
     steady_tokens_per_s,
+    steady_window,
+    torch_or_ray_worker,
     trainer_job,
 )
 from tests.helpers import torchrun
@@ -66,6 +78,10 @@ def _ratio(raylift: str):
     return lambda r: r[raylift]["tokens_per_s"] / r["bare_ddp"]["tokens_per_s"]
 
 
+def _per_train_cpu(run: dict[str, float]) -> float:
+    return run["tokens_per_s"] / run["train_cores"]
+
+
 def test_trainer_overhead(ray_cluster, tmp_path):
     from tools import submit
     from trainer.config import load_config
@@ -82,12 +98,19 @@ def test_trainer_overhead(ray_cluster, tmp_path):
     cache = Path(prepare_inputs(load_config(path, []), progress=False).train_cache)
     vocab = len(load_tokenizer(assets["model"], str(assets["tokens"])))  # as the trainer sizes it
 
-    def tps(run_name: str) -> float:
-        return steady_tokens_per_s(read_records(resolve(str(runs)).join(run_name, "metrics.jsonl")))
+    cpu = CpuWatch(torch_or_ray_worker)
+
+    def figures(tokens_per_s: float, window: tuple[float, float]) -> dict[str, float]:
+        train, other = cpu.cores(*window)
+        return {"tokens_per_s": tokens_per_s, "train_cores": train, "other_cores": other}
+
+    def tps(run_name: str) -> dict[str, float]:
+        records = read_records(resolve(str(runs)).join(run_name, "metrics.jsonl"))
+        return figures(steady_tokens_per_s(records), steady_window(records))
 
     def raylift_torchrun(i: int) -> dict[str, float]:
         _torchrun(["-m", "trainer", "run", str(path), "--set", f"run.name=torchrun-{i}"])
-        return {"tokens_per_s": tps(f"torchrun-{i}")}
+        return tps(f"torchrun-{i}")
 
     watched = [
         "tracking.tensorboard=true",
@@ -98,7 +121,7 @@ def test_trainer_overhead(ray_cluster, tmp_path):
     def raylift_torchrun_watched(i: int) -> dict[str, float]:
         sets = [x for w in watched for x in ("--set", w)]
         _torchrun(["-m", "trainer", "run", str(path), "--set", f"run.name=watched-{i}", *sets])
-        return {"tokens_per_s": tps(f"watched-{i}")}
+        return tps(f"watched-{i}")
 
     def bare_ddp(i: int) -> dict[str, float]:
         out = tmp_path / f"bare-{i}.json"
@@ -114,7 +137,8 @@ def test_trainer_overhead(ray_cluster, tmp_path):
                 str(vocab),
             ]
         )
-        return {"tokens_per_s": json.loads(out.read_text())["tokens_per_s"]}
+        result = json.loads(out.read_text())
+        return figures(result["tokens_per_s"], tuple(result["window"]))
 
     cluster = ray_cluster  # the session's: head + two 1-CPU nodes (tests/conftest.py)
 
@@ -123,7 +147,7 @@ def test_trainer_overhead(ray_cluster, tmp_path):
         client, job_id = submit.submit(cfg, cluster.dashboard_url, token=cluster.token)
         status, _ = submit.follow(client, job_id, progress=False)
         assert status == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]
-        return {"tokens_per_s": tps(f"ray-{i}")}
+        return tps(f"ray-{i}")
 
     commands = {
         "raylift_torchrun": raylift_torchrun,
@@ -143,27 +167,41 @@ def test_trainer_overhead(ray_cluster, tmp_path):
             WATCH_TARGET,
             unit="× unwatched",
         ),
+        Check(
+            "ray_train_per_train_cpu",
+            lambda r: _per_train_cpu(r["raylift_ray_train"]) / _per_train_cpu(r["bare_ddp"]),
+            unit="× bare per training CPU-s",
+        ),
+        Check(
+            "ray_other_cores",
+            lambda r: r["raylift_ray_train"]["other_cores"] - r["bare_ddp"]["other_cores"],
+            unit="cores, Ray run − bare",
+        ),
     ]
     if smoke():
         # The watched run is the unwatched one plus trackers, which the integration tests
         # run end to end (test_torchrun, test_strategies); `make bench` measures it.
         del commands["raylift_torchrun_watched"]
         checks = [c for c in checks if c.name != "ratio_watched"]
-    run_benchmark(
-        "overhead",
-        title="Raylift loop vs bare torch DDP (2 gloo workers, CPU)",
-        commands=commands,
-        checks=checks,
-        metric="tokens_per_s",
-        unit="tokens/s",
-        setup={
-            "workers": 2,
-            "backend": "gloo",
-            "block_size": BLOCK,
-            "micro_batch": MICRO,
-            "steps": STEPS,
-            "log_every": LOG_EVERY,
-            "rows": ROWS,
-            "model": f"Llama hidden {HIDDEN}, {LAYERS} layers, fp32, CPU",
-        },
-    )
+    with cpu:
+        result = run_benchmark(
+            "overhead",
+            title="Raylift loop vs bare torch DDP (2 gloo workers, CPU)",
+            commands=commands,
+            checks=checks,
+            metric="tokens_per_s",
+            unit="tokens/s",
+            setup={
+                "workers": 2,
+                "backend": "gloo",
+                "block_size": BLOCK,
+                "micro_batch": MICRO,
+                "steps": STEPS,
+                "log_every": LOG_EVERY,
+                "rows": ROWS,
+                "model": f"Llama hidden {HIDDEN}, {LAYERS} layers, fp32, CPU",
+            },
+        )
+    # The accounting found every run's training processes (two per run, each busy).
+    for name, figs in result["commands"].items():
+        assert figs["train_cores"]["min"] > 0.2, (name, figs["train_cores"])

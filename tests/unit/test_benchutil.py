@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
 from tests.bench.benchutil import (
     Check,
+    CpuWatch,
     Stats,
     TargetMissed,
     interleave,
@@ -18,6 +23,7 @@ from tests.bench.benchutil import (
     results_dir,
     run_benchmark,
     size,
+    torch_or_ray_worker,
 )
 
 
@@ -164,3 +170,49 @@ def test_smoke_run_reports_every_verdict_but_never_fails(tmp_path, monkeypatch, 
     monkeypatch.delenv("RAYLIFT_BENCH_X")
     assert size("RAYLIFT_BENCH_X", 200, 4) == 200
     assert results_dir().name == "bench"
+
+
+def test_training_processes_are_ray_train_workers_and_torchruns_children():
+    cmdlines = {
+        10: ["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "trainer"],
+        11: ["/venv/bin/python", "-u", "-m", "trainer", "run", "job.yaml"],
+        20: ["ray::RayTrainWorker.run_train_fn"],
+        21: ["ray::TrainController.run"],
+        22: ["ray::IDLE"],
+        30: ["python", "-m", "trainer", "run", "job.yaml"],  # a Ray job's driver
+    }
+    parents = {10: 1, 11: 10, 20: 5, 21: 5, 22: 5, 30: 5}
+    found = {pid for pid in cmdlines if torch_or_ray_worker(cmdlines, pid, parents[pid])}
+    assert found == {11, 20}
+
+
+def _spin(tag: str) -> subprocess.Popen:
+    """A process that keeps one core busy for 30 s; `tag` is in its command line."""
+    code = "import time\nt = time.time()\nwhile time.time() - t < 30: pass"
+    return subprocess.Popen([sys.executable, "-c", code, tag])
+
+
+def test_cpu_watch_splits_the_machines_cpu_into_training_and_the_rest():
+    def is_training(cmdlines, pid, ppid):
+        return "cpuwatch-train" in (cmdlines.get(pid) or ())
+
+    procs = [_spin("cpuwatch-train"), _spin("cpuwatch-other")]
+    try:
+        with CpuWatch(is_training, interval=0.1) as cpu:
+            time.sleep(1.5)  # the spinners' CPU before the window is not the window's
+            t0 = time.time()
+            time.sleep(1.5)
+            t1 = time.time()
+            while cpu.samples[-1][0] < t1:
+                time.sleep(0.05)
+            train, other = cpu.cores(t0, t1)
+            assert math.isnan(cpu.cores(t0, time.time() + 60)[0])  # no sample after it yet
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    # One spinning process is at most one core; on a busy 2-core machine it gets less,
+    # never nothing. The other spinner counts as the rest of the machine.
+    assert 0.2 < train <= 1.1, train
+    assert other > 0.2, other
+    assert train + other <= os.cpu_count() + 0.2, (train, other)  # the machine, not more
