@@ -457,7 +457,15 @@ class CpuWatch:
 
     def cores(self, t0: float, t1: float) -> tuple[float, float]:
         """(training cores, other cores), the mean over [t0, t1]; NaN without two samples
-        around the window."""
+        around the window. A window that has just ended waits for the next sample."""
+        deadline = time.time() + 10 * self.interval
+        while (
+            self._thread is not None
+            and self._thread.is_alive()
+            and self.samples[-1][0] < t1
+            and time.time() < deadline
+        ):
+            time.sleep(self.interval / 5)
         before = [s for s in self.samples if s[0] <= t0]
         after = [s for s in self.samples if s[0] >= t1]
         if not before or not after:
