@@ -36,6 +36,7 @@ import json
 import math
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -410,8 +411,9 @@ class CpuWatch:
         self.interval = interval
         # (time, machine busy CPU-seconds, {training pid: its CPU-seconds})
         self.samples: list[tuple[float, float, dict[int, float]]] = []
-        self._stop = False
-        self._thread: Any = None
+        self._sampled = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     @staticmethod
     def _busy() -> float:
@@ -436,36 +438,31 @@ class CpuWatch:
             for i in procs
             if self.is_training(cmdlines, i["pid"], i["ppid"])
         }
-        self.samples.append((time.time(), self._busy(), training))
+        with self._sampled:
+            self.samples.append((time.time(), self._busy(), training))
+            self._sampled.notify_all()
 
     def _run(self) -> None:
-        while not self._stop:
+        while not self._stop.wait(self.interval):
             self.sample()
-            time.sleep(self.interval)
 
     def __enter__(self) -> CpuWatch:
-        import threading
-
         self.sample()
         self._thread = threading.Thread(target=self._run, name="cpu-watch", daemon=True)
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop = True
-        self._thread.join()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
     def cores(self, t0: float, t1: float) -> tuple[float, float]:
         """(training cores, other cores), the mean over [t0, t1]; NaN without two samples
         around the window. A window that has just ended waits for the next sample."""
-        deadline = time.time() + 10 * self.interval
-        while (
-            self._thread is not None
-            and self._thread.is_alive()
-            and self.samples[-1][0] < t1
-            and time.time() < deadline
-        ):
-            time.sleep(self.interval / 5)
+        if self._thread is not None and self._thread.is_alive():
+            with self._sampled:
+                self._sampled.wait_for(lambda: self.samples[-1][0] >= t1, 10 * self.interval)
         before = [s for s in self.samples if s[0] <= t0]
         after = [s for s in self.samples if s[0] >= t1]
         if not before or not after:

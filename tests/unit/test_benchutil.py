@@ -187,9 +187,17 @@ def test_training_processes_are_ray_train_workers_and_torchruns_children():
 
 
 def _spin(tag: str) -> subprocess.Popen:
-    """A process that keeps one core busy for 30 s; `tag` is in its command line."""
-    code = "import time\nt = time.time()\nwhile time.time() - t < 30: pass"
-    return subprocess.Popen([sys.executable, "-c", code, tag])
+    """A process that keeps one core busy for up to 60 s and prints a line each time it
+    has used another CPU-second; `tag` is in its command line."""
+    code = (
+        "import time\n"
+        "t, n = time.time(), 1\n"
+        "while time.time() - t < 60:\n"
+        "    if time.process_time() >= n:\n"
+        "        print(n, flush=True)\n"
+        "        n += 1\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code, tag], stdout=subprocess.PIPE, text=True)
 
 
 def test_cpu_watch_splits_the_machines_cpu_into_training_and_the_rest():
@@ -199,9 +207,11 @@ def test_cpu_watch_splits_the_machines_cpu_into_training_and_the_rest():
     procs = [_spin("cpuwatch-train"), _spin("cpuwatch-other")]
     try:
         with CpuWatch(is_training, interval=0.1) as cpu:
-            time.sleep(1.5)  # the spinners' CPU before the window is not the window's
+            # The window starts once the training spinner has used one CPU-second (its CPU
+            # before the window is not the window's) and ends when it has used another.
+            assert procs[0].stdout.readline().strip() == "1"
             t0 = time.time()
-            time.sleep(1.5)
+            assert procs[0].stdout.readline().strip() == "2"
             t1 = time.time()
             train, other = cpu.cores(t0, t1)  # waits for the sample after t1
             assert math.isnan(cpu.cores(t0, time.time() + 60)[0])  # no sample after it yet
@@ -209,6 +219,7 @@ def test_cpu_watch_splits_the_machines_cpu_into_training_and_the_rest():
         for p in procs:
             p.kill()
             p.wait()
+            p.stdout.close()
     # One spinning process is at most one core; on a busy 2-core machine it gets less,
     # never nothing. The other spinner counts as the rest of the machine.
     assert 0.2 < train <= 1.1, train
