@@ -158,8 +158,12 @@ class LocalCluster:
                     "dashboard_port": self.dashboard_port,
                     # The head's agent would take Ray's fixed default port (52365); a
                     # second cluster on the machine (a test beside `make demo`, two users)
-                    # then never gets its job agent, and no job can be submitted.
-                    "dashboard_agent_listen_port": free_port(),
+                    # then never gets its job agent, and no job can be submitted. A port
+                    # picked here and bound later can be taken in between (the agent then
+                    # serves no HTTP and never registers): 0 lets the agent bind a free
+                    # port itself, and it registers the port it got in the GCS, where
+                    # `wait_ready` and the dashboard look it up.
+                    "dashboard_agent_listen_port": 0,
                     "temp_dir": str(self.temp_dir),
                     "labels": self.head_labels,
                     "object_store_memory": 256 * 1024 * 1024,
