@@ -39,3 +39,34 @@ def test_a_process_that_starts_a_cluster_stays_on_loopback():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=180)
     assert out.stdout.split() == ["False", "127.0.0.1"], out.stderr[-2000:]
+
+
+def test_the_job_agent_serves_though_a_port_picked_for_it_is_taken_before_it_binds():
+    """The head's dashboard agent binds a free port itself. A port picked for it in
+    advance can be taken before the agent starts (the agent then serves no HTTP, never
+    registers, and no job can be submitted: a fresh-clone CI saw this once). Here every
+    port LocalCluster would pick in advance is already taken by a listening socket; the
+    cluster still becomes ready (its job agent registered and answering) elsewhere."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import socket\n"
+        "from tools import localcluster\n"
+        "held = socket.socket()\n"
+        "held.bind(('127.0.0.1', 0))\n"
+        "held.listen()\n"
+        "taken = held.getsockname()[1]\n"
+        "dashboard = localcluster.free_port()  # not `taken`: that one is held\n"
+        "localcluster.free_port = lambda: taken\n"
+        "c = localcluster.LocalCluster(num_cpus=0, dashboard_port=dashboard)\n"
+        "c.start(timeout=60)\n"
+        "try:\n"
+        "    print(taken, c._job_agent_url().rsplit(':', 1)[1])\n"
+        "finally:\n"
+        "    c.stop()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    taken, agent_port = out.stdout.split()
+    assert agent_port != taken
