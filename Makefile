@@ -20,7 +20,7 @@ TEST_PATHS ?= tests/unit tests/integration tests/bench
 # test takes ~150 s here.
 TEST_TIMEOUT ?= 600
 
-.PHONY: setup demo test lint format bench gpu-check image push image-local image-check clean
+.PHONY: setup demo test docs lint format bench gpu-check image push image-local image-check clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,10 @@ test: $(STAMP)
 	RAYLIFT_BENCH_SMOKE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile \
 		--timeout $(TEST_TIMEOUT) $(TEST_PATHS) --durations=30 $(PYTEST_ARGS)
 
+# The docs site (mkdocs, material theme): every link and anchor checked (--strict).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict -d build/site
+
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
@@ -60,7 +64,7 @@ bench: $(STAMP)
 	RAYLIFT_BENCH_SMOKE= RAYLIFT_RAY_DEFAULTS=1 $(BIN)/python -m pytest tests/bench -s -o testpaths=tests/bench
 
 # Every GPU path (strategies × 1 GPU and all GPUs, bf16) trained, resumed, exported and
-# measured against the planner: README "Proving the GPU paths". Without CUDA: the CPU
+# measured against the planner: docs/gpu-check.md. Without CUDA: the CPU
 # self-check. GPUCHECK_ARGS: e.g. --only ddp fsdp, --peak-tflops 989, --layers 8.
 gpu-check: $(STAMP)
 	$(BIN)/python tools/gpucheck.py $(GPUCHECK_ARGS)

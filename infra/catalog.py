@@ -1,10 +1,11 @@
 """The instance facts infra needs (vCPUs, RAM, GPUs, $/hour), read from the shared data file.
 
 infra/ stands alone (DESIGN.md): it imports nothing from trainer/. The instance catalog is a
-data file, ``trainer/catalog/instances.yaml``, that the planner (``trainer.catalog``) and this
-module each read with their own loader, so the stack summary and the planner can never
-disagree about what a g5.48xlarge has or costs. This loader keeps only the fields infra uses
-and ignores the rest, so the planner may add columns without breaking a ``pulumi preview``.
+data file, ``trainer/planner/catalog/instances.yaml``, that the planner
+(``trainer.planner.catalog``) and this module each read with their own loader, so the
+stack summary and the planner can never disagree about what a g5.48xlarge has or costs.
+This loader keeps only the fields infra uses and ignores the rest, so the planner may add
+columns without breaking a ``pulumi preview``.
 
 A missing or broken file stops the program at preview with one line naming the file (and the
 entry), never halfway through creating resources. ``RAYLIFT_INSTANCE_CATALOG`` points at
@@ -23,7 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 __all__ = ["CATALOG_ENV", "CATALOG_FILE", "Catalog", "CatalogError", "Instance", "load_catalog"]
 
-CATALOG_FILE = Path(__file__).resolve().parents[1] / "trainer" / "catalog" / "instances.yaml"
+CATALOG_FILE = (
+    Path(__file__).resolve().parents[1] / "trainer" / "planner" / "catalog" / "instances.yaml"
+)
 CATALOG_ENV = "RAYLIFT_INSTANCE_CATALOG"
 
 
@@ -60,7 +63,7 @@ class Catalog(BaseModel):
     def display_path(self) -> str:
         """The file as the user knows it: repository-relative when it is the shared one."""
         try:
-            return str(self.path.relative_to(CATALOG_FILE.parents[2]))
+            return str(self.path.relative_to(CATALOG_FILE.parents[3]))
         except ValueError:
             return str(self.path)
 

@@ -173,7 +173,7 @@ def ddp_reference(ray_cluster, tiny, tmp_path_factory):
 
 _BUILD_CPU_ADAM = """
 import torch
-from trainer.strategies.deepspeed import prepare_environment
+from trainer.strategies.deepspeed.engine import prepare_environment
 prepare_environment(torch.device("cpu"))
 from deepspeed.ops.op_builder import CPUAdamBuilder
 CPUAdamBuilder().load(verbose=False)
@@ -183,13 +183,13 @@ CPUAdamBuilder().load(verbose=False)
 @pytest.fixture(scope="session")
 def ds_cpu_adam() -> Path:
     """DeepSpeed's C++ CPU Adam, JIT-built once per CI run into the torch-extensions cache
-    that every process on this machine shares (trainer.strategies.deepspeed: under
+    that every process on this machine shares (trainer.strategies.deepspeed.engine: under
     TMPDIR, which `make test` starts fresh), so Ray workers load it instead of each
     compiling it. It is what a user's offloaded ZeRO run gets; ~140 CPU-seconds to build
     here. A file lock keeps two pytest-xdist workers from building it side by side."""
     from filelock import FileLock
 
-    from trainer.strategies.deepspeed import EXTENSIONS_DIR
+    from trainer.strategies.deepspeed.engine import EXTENSIONS_DIR
 
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR))
     root.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ half its steps with a checkpoint and resumes from it in the same process, then e
 Judged per job: it finishes; the loss falls; it resumed from its checkpoint; the export
 loads with plain transformers (and peft for adapters) and gives finite logits; on GPUs,
 the planner's predicted peak device memory ÷ the measured `max_memory_reserved` is within
-±15%. Reported: tokens/s, MFU (from the GPU's peak bf16 FLOP/s: trainer.flops, or
+±15%. Reported: tokens/s, MFU (from the GPU's peak bf16 FLOP/s: trainer.planner.flops, or
 --peak-tflops), peak memory per rank (reserved and allocated), predicted ÷ measured.
 Writes build/gpucheck/report.json and report.png, prints a table, and exits 1 if anything
 is judged failed.
@@ -268,7 +268,7 @@ def _cfg(name: str, size: Size, world: int, gpu: bool, assets: dict[str, str], s
 
 
 def _plan(cfg: Any, shape: Any) -> tuple[Any, Any]:
-    from trainer.plan import Setup, rank_memory
+    from trainer.planner.memory import Setup, rank_memory
 
     setup = Setup.from_config(cfg)
     return setup, rank_memory(shape, setup)
@@ -277,7 +277,7 @@ def _plan(cfg: Any, shape: Any) -> tuple[Any, Any]:
 def predicted(name: str, size: Size, world: int, vocab: int = 520) -> float:
     """Predicted peak GPU bytes per rank, without the CUDA context and library workspaces
     (which `max_memory_reserved` does not see either)."""
-    from trainer.plan import ModelShape
+    from trainer.planner.shape import ModelShape
 
     fake = {"model": "/nonexistent", "train": "/nonexistent.jsonl", "tokens": "/nonexistent"}
     cfg = _cfg(name, size, world, True, fake, "/tmp")
@@ -383,9 +383,10 @@ def run_jobs(jobs: list[Job], log: Path, timeout: float) -> tuple[int, float]:
 def collect(job: Job, rc: int, log: Path, peak: float | None) -> dict[str, Any]:
     """Read what the job left (rank files, metrics, export) into its result row."""
     from trainer.config import load_config
-    from trainer.metrics import lineage, read_records
-    from trainer.plan import flops_per_token, shape_for_job
-    from trainer.storage import resolve
+    from trainer.observability.metrics import lineage, read_records
+    from trainer.planner.plan import flops_per_token
+    from trainer.planner.shape import shape_for_job
+    from trainer.storage.location import resolve
 
     name, world, gpu = job.name, job.world, job.gpu
     result: dict[str, Any] = {
@@ -416,7 +417,7 @@ def collect(job: Job, rc: int, log: Path, peak: float | None) -> dict[str, Any]:
     setup, mem = _plan(cfg, shape)
     result["params"] = shape.params
     if gpu:
-        from trainer.flops import peak_flops
+        from trainer.planner.flops import peak_flops
 
         device = ranks[0].get("device")
         result["device"] = device
@@ -456,7 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", choices=list(STRATEGIES), help="a subset of strategies")
     p.add_argument("--cpu", action="store_true", help="the CPU self-check even with CUDA")
     p.add_argument(
-        "--peak-tflops", type=float, help="the GPU's peak bf16 TFLOP/s (default: trainer.flops)"
+        "--peak-tflops",
+        type=float,
+        help="the GPU's peak bf16 TFLOP/s (default: trainer.planner.flops)",
     )
     p.add_argument("--layers", type=int, help="decoder layers of the GPU model (default 16)")
     p.add_argument("--steps", type=int, help="steps per job (default 10 on GPU, 4 on CPU)")

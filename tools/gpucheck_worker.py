@@ -1,5 +1,5 @@
 """gpucheck's jobs on this rank, run under torchrun by tools/gpucheck.py. Each job goes
-through what `python -m trainer run` does under torchrun (trainer.launch: preflight, the
+through what `python -m trainer run` does under torchrun (trainer.runtime.launch: preflight, the
 node checks, tokenizing on rank 0 first; then trainer.loop.train: the strategy, steps,
 checkpoints, the export) twice in this process: first to `train.stop_at_step` (it
 checkpoints there), then again to the end, which resumes from that checkpoint. Peak
@@ -42,11 +42,12 @@ def _reset_peaks(gpu: bool) -> None:
 
 
 def run_job(cfg) -> dict:
-    """trainer.launch.run_job's torchrun branch, over the process group already up."""
-    from trainer import launch, preflight
-    from trainer.checkpoint import latest_export
+    """trainer.runtime.launch.run_job's torchrun branch, over the process group already up."""
+    from trainer import preflight
+    from trainer.checkpoint.manager import latest_export
     from trainer.loop import train
-    from trainer.runtime import TorchrunRuntime, run_location
+    from trainer.runtime import launch
+    from trainer.runtime.worker import TorchrunRuntime, run_location
 
     report = preflight.run_all(cfg, strict=True)
     launch.check_nodes(cfg, report, torchrun=True)
@@ -85,8 +86,8 @@ def main() -> None:
     import torch.distributed as dist
 
     from trainer.config import load_config
-    from trainer.logs import setup_logging
-    from trainer.runtime import init_process_group
+    from trainer.observability.logs import setup_logging
+    from trainer.runtime.worker import init_process_group
 
     setup_logging()
     items = json.loads(Path(sys.argv[1]).read_text())

@@ -4,7 +4,7 @@ cheapest catalog layout that fits and what an epoch costs.
     python tools/plan.py job.yaml [--instance g5.xlarge] [--rank0-instance g5.48xlarge]
                                   [--tokens-per-epoch 3.5e6] [--set section.field=value] [--json]
 
-The same code as `python -m trainer plan` and as submit's refusal (trainer.plan). Exit
+The same code as `python -m trainer plan` and as submit's refusal (trainer.planner). Exit
 status: 0 when the job fits (or is tight), 2 when it does not or the input is bad.
 """
 
@@ -19,7 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import load_config
 from trainer.errors import UserError
-from trainer.plan import GIB, Layout, Plan, add_arguments, format_plan, plan_from_args
+from trainer.planner.plan import Layout, Plan
+from trainer.planner.report import add_arguments, format_plan, plan_from_args
+from trainer.planner.shape import GIB
 
 _STYLE = {"fits": "green", "tight": "yellow", "does not fit": "bold red"}
 

@@ -14,9 +14,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.jobcli.runs import PHASE_NAMES, memory_line, slowest_line
-from trainer import journal
-from trainer.metrics import lineage, read_records
-from trainer.storage import resolve
+from trainer.observability.metrics import lineage, read_records
+from trainer.resilience import journal
+from trainer.storage.location import resolve
 
 
 def load_run(run_uri: str, endpoint_override: str | None = None) -> dict[str, Any]:

@@ -33,9 +33,9 @@ from tools.jobcli import cluster, runs
 from tools.jobcli.presets import SIZES, preset_overrides
 from trainer.config import JobConfig, load_config
 from trainer.errors import UserError
-from trainer.logs import SUMMARY_MARK, find_marked, print_marked
-from trainer.plan import add_arguments as add_plan_arguments
-from trainer.plan import submit_refusal
+from trainer.observability.logs import SUMMARY_MARK, find_marked, print_marked
+from trainer.planner.report import add_arguments as add_plan_arguments
+from trainer.planner.report import submit_refusal
 
 log = logging.getLogger("raylift.submit")
 _STEP = re.compile(r"step (\d+)/(\d+) loss ([0-9.]+)")

@@ -1,6 +1,6 @@
 """`python -m trainer run|validate|plan job.yaml [--set section.field=value ...]`,
-`python -m trainer doctor` (the cluster check, trainer.doctor), and `python -m trainer
-agent` (the spot-notice node agent, trainer.agent).
+`python -m trainer doctor` (the cluster check, trainer.runtime.doctor), and `python -m trainer
+agent` (the spot-notice node agent, trainer.resilience.agent).
 
 The same command runs as a Ray job's entrypoint (it starts a TorchTrainer on the cluster)
 and under torchrun (it detects the torchrun environment and trains in-process), so Slurm
@@ -18,7 +18,7 @@ import traceback
 
 from trainer.config import load_config
 from trainer.errors import UserError
-from trainer.logs import SUMMARY_MARK, print_marked, setup_logging
+from trainer.observability.logs import SUMMARY_MARK, print_marked, setup_logging
 
 log = logging.getLogger("trainer")
 
@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--set", dest="overrides", action="append", default=[])
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
     s.add_argument("--debug", action="store_true", help="show tracebacks")
-    from trainer.plan import add_arguments
+    from trainer.planner.report import add_arguments
 
     add_arguments(s)
     s = sub.add_parser("doctor", help="check every alive node of the cluster (a Ray job)")
@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--endpoint-override", help="S3-compatible endpoint for --bucket")
     s.add_argument("--region", help="S3 region for --bucket")
     s.add_argument("--debug", action="store_true", help="show tracebacks")
-    from trainer import agent
+    from trainer.resilience import agent
 
     agent.add_arguments(sub.add_parser("agent", help="the spot-notice node agent (one per node)"))
     return p
@@ -70,12 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     setup_logging(args.debug)
     if args.command == "agent":
-        from trainer.agent import main as agent_main
+        from trainer.resilience.agent import main as agent_main
 
         return agent_main(args)
     try:
         if args.command == "doctor":
-            from trainer import doctor
+            from trainer.runtime import doctor
 
             return doctor.main(
                 {
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = list(args.overrides) + (["train.as_test=true"] if as_test else [])
         cfg = load_config(args.config, overrides)
         if args.command == "plan":
-            from trainer.plan import format_plan, plan_from_args
+            from trainer.planner.report import format_plan, plan_from_args
 
             plan = plan_from_args(cfg, args)
             print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{cfg.tokens_per_step} tokens/step)"
             )
             return 0
-        from trainer.launch import run_job
+        from trainer.runtime.launch import run_job
 
         summary = run_job(cfg)
         if os.environ.get("RANK", "0") == "0":
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_hangs() -> bool:
-    staging = sys.modules.get("trainer.staging")  # imported by training, not by the CLI
+    staging = sys.modules.get("trainer.checkpoint.staging")  # imported by training, not by the CLI
     return staging is not None and staging.stuck()
 
 

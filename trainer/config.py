@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from trainer.errors import ConfigError
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
-"""Strategies this build of the trainer implements; `trainer.strategies` registers them."""
+"""Strategies this build of the trainer implements; `trainer.strategies.base` registers them."""
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -311,7 +311,7 @@ class TrainSection(_Section):
         default=False,
         description="torch.compile each decoder layer (ddp, fsdp). Needs a C compiler on "
         "every node (inductor builds its kernels there); the first steps are slower while "
-        "it compiles. Off by default: on CPU it did not pay here (README, Strategies).",
+        "it compiles. Off by default: on CPU it did not pay (docs: strategies, benchmarks).",
     )
 
 
@@ -829,9 +829,9 @@ def _format_errors(exc: ValidationError, source: str, lines: dict[tuple[str, ...
         field = ".".join(loc) if loc else "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; see the config reference in README.md)"
+            msg = "unknown key (check the spelling; see docs/config-reference.md)"
             if tag:
-                msg = f"unknown key for strategy {tag} (see the config reference in README.md)"
+                msg = f"unknown key for strategy {tag} (see docs/config-reference.md)"
         elif err["type"] == "missing":
             msg = "required field is missing"
         elif "input" in err and err["type"] not in ("value_error",):

@@ -1,7 +1,7 @@
 """The training loop: one function for every strategy and both runtimes.
 
 It knows about steps. What wraps the model is the strategy's business, where checkpoints
-go is the runtime's, and which blocks a rank reads is `trainer.data.BatchPlan`'s.
+go is the runtime's, and which blocks a rank reads is `trainer.data.blocks.BatchPlan`'s.
 """
 
 from __future__ import annotations
@@ -26,34 +26,38 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer import checkpoint as ckpt_mod
-from trainer import drill, packing, staging, tracking
-from trainer import journal as journal_mod
-from trainer.checkpoint import (
+from trainer.checkpoint import manager as ckpt_mod
+from trainer.checkpoint.manager import (
     CheckpointManager,
     Identity,
     RNGPart,
     SchedulerPart,
     StrategyPart,
     TrainState,
+    staging,
 )
+from trainer.checkpoint.upload import upload_dir
 from trainer.config import JobConfig
-from trainer.data import IGNORE, BatchPlan, PackedBlocks, StepBatches, TokenCache, eval_indices
+from trainer.data import packing
+from trainer.data.blocks import BatchPlan, PackedBlocks, StepBatches, eval_indices
+from trainer.data.mixing import MixedBatches, MixPlan
+from trainer.data.tokenize import IGNORE, TokenCache
 from trainer.errors import UserError
-from trainer.metrics import MetricsFile, lineage, mfu, peak_flops, read_records
-from trainer.mixing import MixedBatches, MixPlan
-from trainer.model import (
+from trainer.model.loading import (
     check_device,
     count_params,
     load_tokenizer,
     local_model_dir,
     local_tokenizer_dir,
 )
-from trainer.runtime import RayRuntime, Runtime, TorchrunRuntime
-from trainer.storage import upload_dir
-from trainer.strategies import ModelSource, Strategy, build_strategy
-from trainer.tracking import open_tracker
-from trainer.workerstats import WorkerStats
+from trainer.observability.metrics import MetricsFile, lineage, mfu, peak_flops, read_records
+from trainer.observability.tracking import trackers
+from trainer.observability.tracking.trackers import open_tracker
+from trainer.observability.workerstats import WorkerStats
+from trainer.resilience import faults
+from trainer.resilience import journal as journal_mod
+from trainer.runtime.worker import RayRuntime, Runtime, TorchrunRuntime
+from trainer.strategies.base import ModelSource, Strategy, build_strategy
 
 log = logging.getLogger("trainer")
 
@@ -305,8 +309,8 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     metrics_file, history = _open_metrics(cfg, rt, start, resume_dir)
     if metrics_file is not None:
         _journal_attempt(rt, metrics_file.attempt, history, start)
-    # Watching the run (trainer.tracking, trainer.workerstats): every rank measures, rank 0
-    # gathers and hands the records to the trackers' background senders.
+    # Watching the run (observability.tracking, observability.workerstats): every rank
+    # measures, rank 0 gathers and hands the records to the trackers' background senders.
     stats = WorkerStats(
         device, rt.rank, rt.world_size, cfg.tracking.per_rank_every, _ray_gauges(cfg, rt)
     )
@@ -480,7 +484,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
                 shutil.rmtree(ckpt_dir, ignore_errors=True)
         stats.timer.add("ckpt", time.perf_counter() - stalled)
         _drill_kill(rt, done, metrics_file, device)
-        drill.hold(done, "train", rt.rank)
+        faults.hold(done, "train", rt.rank)
         if emergency:
             assert preempted is not None
             took = time.monotonic() - saving
@@ -522,7 +526,7 @@ def _ray_gauges(cfg: JobConfig, rt: Runtime) -> Any:
     """Per-worker gauges for Ray's metrics (dashboard, Prometheus) on a Ray run."""
     if not cfg.tracking.ray_metrics or not isinstance(rt, RayRuntime):
         return None
-    from trainer.workerstats import RayGauges
+    from trainer.observability.workerstats import RayGauges
 
     try:
         return RayGauges(cfg.run.name, rt.rank)
@@ -640,14 +644,14 @@ def _open_metrics(
 
 def ray_worker(config: dict[str, Any]) -> None:
     """`train_loop_per_worker` for Ray Train's TorchTrainer."""
-    from trainer.logs import setup_logging
+    from trainer.observability.logs import setup_logging
 
     setup_logging(ray_worker=True)
     cfg = JobConfig.model_validate(config["job"])
     try:
         train(cfg, Prepared(**config["prepared"]), RayRuntime(cfg))
     except BaseException:
-        tracking.close_active("failed")
+        trackers.close_active("failed")
         raise
 
 
@@ -656,7 +660,7 @@ def torchrun_worker(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
     try:
         return train(cfg, prep, rt)
     except BaseException:
-        tracking.close_active("failed")
+        trackers.close_active("failed")
         raise
     finally:
         if dist.is_initialized():

@@ -41,7 +41,7 @@ def _local_or_note(path: str, what: str, strict: bool, report: Report) -> Path |
 def check_model(cfg: JobConfig, strict: bool, report: Report) -> None:
     src = cfg.model.path.rstrip("/") + "/config.json"
     if cfg.model.path.startswith("s3://"):
-        from trainer.storage import read_text
+        from trainer.storage.location import read_text
 
         text = read_text(src, cfg.storage.endpoint_override, cfg.storage.region)
     else:
@@ -81,7 +81,7 @@ def check_model(cfg: JobConfig, strict: bool, report: Report) -> None:
 def check_data_file(path: str, what: str, strict: bool, on_bad_line: str, report: Report) -> None:
     """Existence, and the first rows' shape, so a wrong file fails in a second. Every row
     of every file is checked when the data is tokenized, still before workers start."""
-    from trainer.sources import list_local, sample_check
+    from trainer.data.sources import list_local, sample_check
 
     if not strict and not path.startswith("s3://"):
         try:
@@ -96,7 +96,7 @@ def check_data_file(path: str, what: str, strict: bool, on_bad_line: str, report
 
 def check_storage(cfg: JobConfig, report: Report) -> None:
     try:
-        from trainer.storage import check_writable, resolve
+        from trainer.storage.location import check_writable, resolve
     except ImportError as exc:
         # A laptop with only the core install has no pyarrow; the driver runs this probe again
         # (strictly) on the cluster before any worker starts.
@@ -116,7 +116,7 @@ def run_all(cfg: JobConfig, strict: bool = True) -> Report:
     if cfg.model.tokenizer and not cfg.model.tokenizer.startswith("s3://"):
         _local_or_note(cfg.model.tokenizer, "model.tokenizer", strict, report)
     if cfg.model.special_tokens:
-        from trainer.sources import load_special_tokens
+        from trainer.data.sources import load_special_tokens
 
         if _local_or_note(cfg.model.special_tokens, "model.special_tokens", strict, report):
             load_special_tokens(cfg.model.special_tokens)
@@ -163,7 +163,7 @@ def check_tracking(cfg: JobConfig, strict: bool, report: Report) -> None:
         module = TRACKER_PACKAGES[name]
         if importlib.util.find_spec(module) is not None:
             if strict and name == "mlflow":
-                from trainer.tracking.backends import prepare_mlflow_store
+                from trainer.observability.tracking.backends import prepare_mlflow_store
 
                 prepare_mlflow_store(cfg.tracking.mlflow.tracking_uri)  # type: ignore[union-attr]
             continue
@@ -183,7 +183,7 @@ def check_strategy(cfg: JobConfig, strict: bool, report: Report) -> None:
     too: what the workers would build, refused before any of them starts."""
     if cfg.strategy.name != "deepspeed":
         return
-    from trainer import dsconfig
+    from trainer.strategies.deepspeed import config as dsconfig
 
     name = cfg.strategy.config  # type: ignore[union-attr]
     path = dsconfig.config_path(name)

@@ -6,7 +6,7 @@
 # is executed as given, so `ray ...`, `python ...` and `bash` behave as usual.
 #
 # A Ray worker node (`ray start` with RAYLIFT_ROLE=worker, from infra's /etc/raylift/node.env)
-# also gets the spot-notice node agent (`python -m trainer agent`, trainer/agent.py) in the
+# also gets the spot-notice node agent (`python -m trainer agent`, trainer/resilience/agent.py) in the
 # background: it polls the instance metadata service and drains this Ray node on a spot
 # notice. RAYLIFT_AGENT=1 starts it on any `ray start`, RAYLIFT_AGENT=0 never. It is a child
 # of this process, which becomes Ray, so it ends with the container.

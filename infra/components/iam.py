@@ -74,7 +74,7 @@ class NodeScope:
 
 
 def prune_resources(bucket_arn: str, checkpoint_prefix: str) -> list[str]:
-    """Object ARNs the trainer deletes: checkpoint folders it prunes (trainer/checkpoint.py
+    """Object ARNs the trainer deletes: checkpoint folders it prunes (trainer/checkpoint/manager.py
     `prune`: `<run>/step_<N>/...`) and its storage write probes, under the checkpoint prefix."""
     prefix = checkpoint_prefix.lstrip("/")
     return [

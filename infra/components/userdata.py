@@ -24,9 +24,9 @@ CONTAINER_UID = 1000
 # Each boot step: 30 tries, 10 s apart (5 minutes), then the node gives up and is replaced.
 BOOT_ATTEMPTS = 30
 RETRY_DELAY_S = 10
-# The node agent (trainer/agent.py, started by the image's entrypoint on worker nodes) polls
-# this every AGENT_INTERVAL_S and drains its Ray node AGENT_MARGIN_S before a spot notice's
-# time: of the two minutes' notice, ~105 s go to the emergency checkpoint.
+# The node agent (trainer/resilience/agent.py, started by the image's entrypoint on worker
+# nodes) polls this every AGENT_INTERVAL_S and drains its Ray node AGENT_MARGIN_S before a
+# spot notice's time: of the two minutes' notice, ~105 s go to the emergency checkpoint.
 IMDS_ENDPOINT = "http://169.254.169.254"
 AGENT_INTERVAL_S = 5
 AGENT_MARGIN_S = 15

@@ -3,8 +3,9 @@ packed blocks (no config, checkpoints, metrics or scheduler bookkeeping). Run wi
 
     torchrun --nproc_per_node 2 bare_ddp.py MODEL_DIR TOKEN_CACHE_DIR BLOCK MICRO STEPS OUT VOCAB
 
-The tokens come from Raylift's token cache through its own reader (trainer.data.TokenCache),
-so the baseline follows the cache's layout instead of hard-coding a file name.
+The tokens come from Raylift's token cache through its own reader
+(trainer.data.tokenize.TokenCache), so the baseline follows the cache's layout instead of
+hard-coding a file name.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
-from trainer.data import TokenCache
+from trainer.data.tokenize import TokenCache
 
 
 def main() -> None:

@@ -22,8 +22,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def raylift(model: str, corpus: str, block: int, workdir: str) -> int:
-    from trainer.data import PackedBlocks, prepare
-    from trainer.model import load_tokenizer
+    from trainer.data.blocks import PackedBlocks
+    from trainer.data.tokenize import prepare
+    from trainer.model.loading import load_tokenizer
 
     tok = load_tokenizer(Path(model), None)
     cache = prepare(corpus, tok, cache_root=f"{workdir}/raylift-cache", progress=False)
@@ -31,8 +32,9 @@ def raylift(model: str, corpus: str, block: int, workdir: str) -> int:
 
 
 def reads(model: str, corpus: str, block: int, workdir: str) -> int:
-    from trainer.data import BatchPlan, PackedBlocks, StepBatches, prepare
-    from trainer.model import load_tokenizer
+    from trainer.data.blocks import BatchPlan, PackedBlocks, StepBatches
+    from trainer.data.tokenize import prepare
+    from trainer.model.loading import load_tokenizer
 
     tok = load_tokenizer(Path(model), None)
     cache = prepare(corpus, tok, cache_root=f"{workdir}/raylift-cache", progress=False)
@@ -52,9 +54,10 @@ def on_ray(model: str, corpus: str, block: int, workdir: str, nodes: int) -> tup
     # cluster through the machine's outward address (and hangs where that is not served).
     assert "ray" not in sys.modules
     from tools.localcluster import LocalCluster
-    from trainer.data import PackedBlocks, prepare
-    from trainer.distdata import tokenize_on_cluster
-    from trainer.model import load_tokenizer
+    from trainer.data.blocks import PackedBlocks
+    from trainer.data.cluster import tokenize_on_cluster
+    from trainer.data.tokenize import prepare
+    from trainer.model.loading import load_tokenizer
 
     tok = load_tokenizer(Path(model), None)
     # The cluster's processes import this checkout's trainer (Ray Data pickles the task
@@ -88,9 +91,9 @@ def _one_thread() -> None:
 
 
 def _tokenize_files(model: str, files: list[str], folder: str) -> int:
-    from trainer.data import Settings, tokenize_file
-    from trainer.model import load_tokenizer
-    from trainer.sources import list_sources
+    from trainer.data.sources import list_sources
+    from trainer.data.tokenize import Settings, tokenize_file
+    from trainer.model.loading import load_tokenizer
 
     tok = load_tokenizer(Path(model), None)
     tokens = 0

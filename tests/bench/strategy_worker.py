@@ -20,7 +20,7 @@ import torch.distributed as dist
 import transformers
 
 from trainer.config import load_config
-from trainer.strategies import ModelSource, build_strategy
+from trainer.strategies.base import ModelSource, build_strategy
 
 
 def proc_status(key: str) -> int:
@@ -65,7 +65,7 @@ def main() -> None:
     cfg = load_config(json.loads(Path(job).read_text()))
     device = torch.device("cpu")
     if cfg.strategy.name == "deepspeed":
-        from trainer.strategies.deepspeed import prepare_environment
+        from trainer.strategies.deepspeed.engine import prepare_environment
 
         prepare_environment(device)
         import deepspeed  # noqa: F401

@@ -25,9 +25,9 @@ from tests.bench.benchutil import Check, run_benchmark, size, steady_tokens_per_
 from tests.helpers import torchrun
 from tools.tiny import build_all
 from trainer.config import load_config
-from trainer.launch import prepare_inputs
-from trainer.metrics import read_records
-from trainer.storage import resolve
+from trainer.observability.metrics import read_records
+from trainer.runtime.launch import prepare_inputs
+from trainer.storage.location import resolve
 
 STEPS = size("RAYLIFT_BENCH_STEPS", 100, 12, minimum=10)
 HIDDEN = size("RAYLIFT_BENCH_HIDDEN", 256, 64)

@@ -39,9 +39,9 @@ from tests.conftest import S3_KEY, S3_SECRET, WeedServer, base_job
 from tests.integration.test_ray_train import _train_workers, history, launch, run_to_end
 from tools import submit
 from tools.tiny import build_all
-from trainer import journal
-from trainer.metrics import read_records
-from trainer.storage import resolve
+from trainer.observability.metrics import read_records
+from trainer.resilience import journal
+from trainer.storage.location import resolve
 
 EVERY = 25
 # Smoke runs train fewer steps: the recovery kill lands at step 2 × EVERY + 5 (polled every

@@ -54,8 +54,8 @@ from tests.bench.benchutil import (
 )
 from tests.helpers import torchrun
 from tools.tiny import build_all
-from trainer.metrics import read_records
-from trainer.storage import resolve
+from trainer.observability.metrics import read_records
+from trainer.storage.location import resolve
 
 STEPS = size("RAYLIFT_BENCH_STEPS", 120, 10, minimum=10)
 HIDDEN = size("RAYLIFT_BENCH_HIDDEN", 256, 64)
@@ -85,8 +85,8 @@ def _per_train_cpu(run: dict[str, float]) -> float:
 def test_trainer_overhead(ray_cluster, tmp_path):
     from tools import submit
     from trainer.config import load_config
-    from trainer.launch import prepare_inputs
-    from trainer.model import load_tokenizer
+    from trainer.model.loading import load_tokenizer
+    from trainer.runtime.launch import prepare_inputs
 
     assets = build_all(tmp_path / "assets", rows=ROWS, hidden=HIDDEN, layers=LAYERS)
     runs = tmp_path / "runs"

@@ -1,5 +1,5 @@
 """What document attention costs: training tokens/s of a small Llama on packed blocks
-with the block-causal mask and restarted positions (trainer.packing), against plain causal
+with the block-causal mask and restarted positions (trainer.data.packing), against plain causal
 attention on the same blocks, at block sizes 512 and 2048 (documents of 50-400 tokens).
 Target: document attention keeps ≥ 0.9× causal's tokens/s. On CPU sdpa with any mask runs
 its math kernel, and the dense mask is L² per row, so the long block pays most; on a GPU
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from tests.bench.benchutil import Check, run_benchmark, size, smoke
-from trainer import packing
+from trainer.data import packing
 
 STEPS = size("RAYLIFT_BENCH_PACK_STEPS", 4, 1)
 BLOCKS = (64, 128) if smoke() else (512, 2048)

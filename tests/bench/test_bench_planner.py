@@ -73,12 +73,12 @@ def make_model(out: Path, hidden: int, layers: int) -> Path:
 
 
 def predicted(cfg_dict: dict[str, Any]) -> float:
-    from trainer import plan
     from trainer.config import load_config
+    from trainer.planner import plan, shape
 
     cfg = load_config(cfg_dict)
     p = plan.plan_job(cfg)
-    return p.rank.total - plan.CPU_RANK_OVERHEAD
+    return p.rank.total - shape.CPU_RANK_OVERHEAD
 
 
 CHILD = r"""
@@ -86,7 +86,7 @@ import gc, json, sys
 from pathlib import Path
 import torch, transformers, peft, accelerate  # imported before the baseline
 from trainer.config import load_config
-from trainer.strategies import ModelSource, build_strategy
+from trainer.strategies.base import ModelSource, build_strategy
 
 def status(key):
     for line in open("/proc/self/status"):

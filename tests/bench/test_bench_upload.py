@@ -1,5 +1,5 @@
 """Checkpoint upload throughput to S3 (a SeaweedFS server on 127.0.0.1): Raylift's
-checkpoint upload (trainer.storage.upload_checkpoint: data files first, manifests last,
+checkpoint upload (trainer.checkpoint.upload.upload_checkpoint: data files first, manifests last,
 retries on transient errors) against a plain boto3 multipart upload (upload_file, its
 default TransferConfig) of the same files. Target: Raylift ≥ 0.9 of boto3's MB/s.
 
@@ -15,8 +15,9 @@ from pathlib import Path
 
 from tests.bench.benchutil import Check, run_benchmark, size
 from tests.conftest import S3_KEY, S3_SECRET, WeedServer
-from trainer.checkpoint import write_manifest
-from trainer.storage import resolve, upload_checkpoint
+from trainer.checkpoint.manager import write_manifest
+from trainer.checkpoint.upload import upload_checkpoint
+from trainer.storage.location import resolve
 
 
 def _checkpoint(root: Path, total_mb: int) -> tuple[Path, int]:

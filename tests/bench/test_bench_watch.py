@@ -90,9 +90,9 @@ def _cpu_s(proc: psutil.Process) -> float:
 
 def _watch_ms(root: Path, round_no: int) -> float:
     from trainer.config import JobConfig
-    from trainer.storage import resolve
-    from trainer.tracking import Tracker
-    from trainer.workerstats import PHASES, WorkerStats
+    from trainer.observability.tracking.trackers import Tracker
+    from trainer.observability.workerstats import PHASES, WorkerStats
+    from trainer.storage.location import resolve
 
     cfg = JobConfig.model_validate(
         {

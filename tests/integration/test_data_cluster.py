@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from tests.integration.test_ray_train import history, retrained, run_killed
-from trainer.data import IGNORE, PackedBlocks, Settings, TokenCache, prepare
-from trainer.model import load_tokenizer
+from trainer.data.blocks import PackedBlocks
+from trainer.data.tokenize import IGNORE, Settings, TokenCache, prepare
+from trainer.model.loading import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -63,10 +64,10 @@ def corpus(tiny, tmp_path):
 DRIVER = """
 import json, sys, time
 import ray
-from trainer.data import Settings, prepare
-from trainer.distdata import tokenize_on_cluster
+from trainer.data.tokenize import Settings, prepare
+from trainer.data.cluster import tokenize_on_cluster
 from trainer.errors import DataError
-from trainer.model import load_tokenizer
+from trainer.model.loading import load_tokenizer
 
 address, model, tokens, endpoint, template, cache_root, *specs = sys.argv[1:]
 tok = load_tokenizer(model, tokens)

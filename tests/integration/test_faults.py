@@ -27,12 +27,12 @@ from tests.conftest import base_job
 from tests.helpers import torchrun
 from tests.integration.test_ray_train import _train_workers, history, launch
 from tools import submit
-from trainer import checkpoint as ckpt_mod
-from trainer import journal
+from trainer.checkpoint import manager as ckpt_mod
 from trainer.config import load_config
 from trainer.loop import REPORT_EVERY_S
-from trainer.metrics import read_records
-from trainer.storage import download_dir, resolve
+from trainer.observability.metrics import read_records
+from trainer.resilience import journal
+from trainer.storage.location import download_dir, resolve
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +117,7 @@ def test_three_worker_kills_mid_upload_mid_write_and_at_random_resume_exactly(
     1. While step 50's checkpoint is being uploaded: the upload is held between the data
        files and the manifests (the fault-injection pause), so that folder is torn; it is
        skipped with a warning and step 25 is resumed.
-    2. While step 75's checkpoint is being written in the background (trainer.staging
+    2. While step 75's checkpoint is being written in the background (trainer.checkpoint.staging
        copies the state to host memory, a thread writes it; held before its manifest):
        training goes on past it meanwhile (the stall is only the copy), nothing of step 75
        looks complete, and killing the writing rank resumes from step 50.
@@ -552,7 +552,7 @@ def test_a_file_cut_off_by_a_storage_outage_is_an_error_not_a_silent_success(tmp
     upload retries. The server is stopped between two parts of one file: the source is a
     pipe that the test feeds, so the outage lands mid-file by construction."""
     from tests.conftest import S3_KEY, S3_SECRET, WeedServer
-    from trainer.storage import put_file
+    from trainer.checkpoint.upload import put_file
 
     (tmp_path / "weed").mkdir()
     server = WeedServer(tmp_path / "weed")
@@ -593,7 +593,7 @@ def test_an_s3_file_cut_off_mid_multipart_upload_raises_and_leaves_no_object(tmp
     construction. The upload must raise an OSError naming the file, and once the server
     is back no object stands at the key (a multipart upload is never completed)."""
     from tests.conftest import S3_KEY, S3_SECRET, WeedServer
-    from trainer.storage import put_files_s3
+    from trainer.checkpoint.upload import put_files_s3
 
     (tmp_path / "weed").mkdir()
     server = WeedServer(tmp_path / "weed")

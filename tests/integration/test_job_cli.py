@@ -68,7 +68,7 @@ def test_run_lifecycle_through_the_verbs(ray_cluster, job, capsys):
     assert step >= 2 and total == 5000
     assert float(lines["loss"]) > 0 and float(lines["tokens/s"]) > 0
     assert lines["eta"] != "-" and lines["restarts"] == "0" and lines["lost steps"] == "0"
-    # The fullest rank and the slowest part of the step (trainer.workerstats).
+    # The fullest rank and the slowest part of the step (trainer.observability.workerstats).
     memory = r"rank [01]: \d+\.\d\d GiB peak \(\d+% of \d+\.\d GiB\)"
     assert re.fullmatch(memory, lines["memory"]), lines["memory"]
     slowest = r" \d\.\d{3} s of \d\.\d{3} s per step \(\d+%\); slowest rank [01]$"

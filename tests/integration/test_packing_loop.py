@@ -14,9 +14,10 @@ import torch
 from tests.helpers import torchrun
 from tests.unit.test_data_inputs import TEMPLATE, write
 from trainer.config import load_config
-from trainer.data import IGNORE, BatchPlan, PackedBlocks, TokenCache
-from trainer.metrics import lineage, read_records
-from trainer.model import load_model, load_tokenizer
+from trainer.data.blocks import BatchPlan, PackedBlocks
+from trainer.data.tokenize import IGNORE, TokenCache
+from trainer.model.loading import load_model, load_tokenizer
+from trainer.observability.metrics import lineage, read_records
 from trainer.strategies.common import build_optimizer
 
 pytestmark = pytest.mark.slow
@@ -114,7 +115,7 @@ def test_document_attention_loop_matches_unpacked_and_resumes(job, tiny, tmp_pat
 
 
 def read_records_at(run: Path) -> list[dict]:
-    from trainer.storage import resolve
+    from trainer.storage.location import resolve
 
     return read_records(resolve(str(run.parent)).join(run.name, "metrics.jsonl"))
 

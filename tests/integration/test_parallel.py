@@ -21,8 +21,8 @@ import yaml
 
 from tests.conftest import base_job
 from tests.helpers import torchrun
-from trainer.metrics import lineage, read_records
-from trainer.storage import resolve
+from trainer.observability.metrics import lineage, read_records
+from trainer.storage.location import resolve
 
 pytestmark = pytest.mark.slow
 
@@ -148,8 +148,8 @@ def test_checkpoint_of_one_layout_resumes_under_another(tiny, model4, runs, ddp_
 
 def _fsdp(model_dir: Path, tokens: Path, **strategy: Any) -> Any:
     from trainer.config import JobConfig
-    from trainer.model import load_tokenizer
-    from trainer.strategies import ModelSource, build_strategy
+    from trainer.model.loading import load_tokenizer
+    from trainer.strategies.base import ModelSource, build_strategy
 
     world = strategy.pop("world", 1)
     cfg = JobConfig.model_validate(

@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 from tools import submit
-from trainer import journal
 from trainer.config import load_config
-from trainer.metrics import lineage, read_records
+from trainer.observability.metrics import lineage, read_records
 from trainer.preflight import run_all
-from trainer.storage import resolve
+from trainer.resilience import journal
+from trainer.storage.location import resolve
 
 pytestmark = pytest.mark.slow
 

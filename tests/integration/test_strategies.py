@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tests.integration.test_ray_train import history, retrained, run_killed, run_to_end
-from trainer import journal
-from trainer.storage import resolve
+from trainer.resilience import journal
+from trainer.storage.location import resolve
 
 pytestmark = pytest.mark.slow
 
@@ -51,8 +51,8 @@ def _grad_worker(rank: int, world: int, init: str, model_dir: str, tokens: str, 
     import torch.distributed as dist
 
     from trainer.config import JobConfig
-    from trainer.model import load_tokenizer
-    from trainer.strategies import ModelSource, build_strategy
+    from trainer.model.loading import load_tokenizer
+    from trainer.strategies.base import ModelSource, build_strategy
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
@@ -326,8 +326,8 @@ def test_qlora_build_keeps_4bit_layout_and_uses_nf4(tiny):
     import bitsandbytes as bnb
 
     from trainer.config import JobConfig
-    from trainer.model import load_tokenizer
-    from trainer.strategies import ModelSource, build_strategy
+    from trainer.model.loading import load_tokenizer
+    from trainer.strategies.base import ModelSource, build_strategy
 
     cfg = JobConfig.model_validate(
         {
@@ -355,7 +355,7 @@ import json, os, sys
 import ray
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
-from trainer.ccl import OneCCLConfig
+from trainer.runtime.ccl import OneCCLConfig
 
 def loop(config):
     import torch.distributed as dist, ray.train

@@ -13,9 +13,9 @@ import pytest
 
 from tests.helpers import torchrun as run_torchrun
 from tools.tiny import write_dataset
-from trainer.logs import SUMMARY_MARK, find_marked
-from trainer.metrics import lineage, read_records
-from trainer.storage import resolve
+from trainer.observability.logs import SUMMARY_MARK, find_marked
+from trainer.observability.metrics import lineage, read_records
+from trainer.storage.location import resolve
 
 pytestmark = pytest.mark.slow
 
@@ -72,8 +72,8 @@ def test_torchrun_trains_on_while_a_checkpoint_uploads(job, tmp_path):
     import time
 
     from tests.helpers import torchrun_command
-    from trainer import checkpoint as ckpt_mod
-    from trainer import journal
+    from trainer.checkpoint import manager as ckpt_mod
+    from trainer.resilience import journal
 
     release = tmp_path / "release"
     cmd, env = torchrun_command(["-m", "trainer", "run", str(job("bg"))])
@@ -116,7 +116,7 @@ def test_a_rank_whose_checkpoint_write_hangs_exits_instead_of_hanging_the_job(jo
     never see the rank fail. The job fails with the one-line cause; nothing of step 4
     looks complete in storage."""
     from tests.helpers import torchrun_command
-    from trainer import checkpoint as ckpt_mod
+    from trainer.checkpoint import manager as ckpt_mod
 
     release = tmp_path / "release"
     path = job("hang", checkpoint={"every_steps": 4, "stuck_write_s": 1})

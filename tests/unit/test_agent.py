@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from tests.imds import REBALANCE_PATH, SPOT_PATH, TOKEN_PATH, FakeImds
-from trainer import agent
+from trainer.resilience import agent
 
 
 @pytest.fixture

@@ -1,11 +1,11 @@
-"""The oneCCL worker preparation (trainer.ccl), without Ray: environment and import."""
+"""The oneCCL worker preparation (trainer.runtime.ccl), without Ray: environment and import."""
 
 from __future__ import annotations
 
 import pytest
 
-from trainer.ccl import BINDINGS, OneCCLConfig, default_env, prepare_worker
 from trainer.errors import UserError
+from trainer.runtime.ccl import BINDINGS, OneCCLConfig, default_env, prepare_worker
 
 
 def test_missing_bindings_is_one_line_naming_the_ccl_image(monkeypatch):

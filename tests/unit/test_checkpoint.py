@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer import checkpoint as ck
+from trainer.checkpoint import manager as ck
 from trainer.errors import CheckpointError
-from trainer.storage import resolve
+from trainer.storage.location import resolve
 
 
 def make_ckpt(run: Path, step: int, world: int = 2, torn: str | None = None) -> Path:

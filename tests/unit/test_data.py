@@ -7,17 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from trainer.data import (
-    BatchPlan,
-    PackedBlocks,
-    TokenizerFiles,
-    eval_indices,
-    load_special_tokens,
-    prepare,
-)
+from trainer.data.blocks import BatchPlan, PackedBlocks, eval_indices
+from trainer.data.sources import ScanReport, iter_examples, list_sources
+from trainer.data.tokenize import TokenizerFiles, load_special_tokens, prepare
 from trainer.errors import DataError
-from trainer.model import load_tokenizer
-from trainer.sources import ScanReport, iter_examples, list_sources
+from trainer.model.loading import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +66,7 @@ def test_iter_examples_counts(tmp_path):
 
 
 def test_cache_is_reused_and_invalidated(tmp_path, tokenizer, monkeypatch):
-    import trainer.data as data_mod
+    import trainer.data.tokenize as data_mod
 
     encoded = []
     real_encode = data_mod.Encoder.encode
@@ -117,7 +111,7 @@ def test_tokenizer_files_key_the_cache_and_a_hit_never_loads_transformers(tmp_pa
     assert np.array_equal(first.tokens(), loaded.tokens())
 
     probe = (
-        "import sys; from trainer.data import TokenizerFiles, prepare; "
+        "import sys; from trainer.data.tokenize import TokenizerFiles, prepare; "
         f"c = prepare({str(data)!r}, TokenizerFiles({str(folder)!r}, {str(special)!r}), "
         "progress=False); print(c.dir, 'transformers' in sys.modules)"
     )
@@ -189,7 +183,7 @@ def test_step_loss_is_the_token_mean_over_micro_batches_even_with_a_prompt_only_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.data import IGNORE
+    from trainer.data.tokenize import IGNORE
     from trainer.loop import _targets_per_rank
 
     model = AutoModelForCausalLM.from_pretrained(tiny["model"]).eval()

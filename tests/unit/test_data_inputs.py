@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer.data import IGNORE, PackedBlocks, Settings, prepare
+from trainer.data.blocks import PackedBlocks
+from trainer.data.tokenize import IGNORE, Settings, prepare
 from trainer.errors import DataError, UserError
-from trainer.model import load_tokenizer
+from trainer.model.loading import load_tokenizer
 
 ROWS = [{"text": f"row {i}: Ana has {i} pens and {2 * i} books."} for i in range(60)]
 # A minimal chat template: each turn is <|role|>content, assistant turns end with EOS.
@@ -158,7 +159,7 @@ def test_chat_rows_train_on_completions_only(tmp_path, tokenizer):
 
 def test_text_rows_before_chat_rows_stay_in_the_loss(tmp_path, tokenizer, monkeypatch):
     """The mask file starts at the first masked row; the text before it is all loss."""
-    import trainer.data as data_mod
+    import trainer.data.tokenize as data_mod
 
     monkeypatch.setattr(data_mod, "_BATCH_DOCS", 4)  # text fills whole batches first
     data = write(tmp_path / "mixed.jsonl", [*ROWS[:10], *CHAT])
@@ -216,7 +217,7 @@ def test_chat_rows_without_a_template_are_one_line(tmp_path, tokenizer):
 def test_s3_prefix_reads_like_local_and_reuses_its_cache(
     tmp_path, tokenizer, s3_server, monkeypatch
 ):
-    import trainer.data as data_mod
+    import trainer.data.tokenize as data_mod
 
     client, bucket = s3_server["client"], s3_server["bucket"]
     folder = sharded(tmp_path / "sharded", ROWS)
@@ -246,7 +247,7 @@ def test_s3_prefix_reads_like_local_and_reuses_its_cache(
 
 def test_cluster_tokenizing_is_chosen_for_many_files_on_ray(tmp_path, monkeypatch, tiny):
     from trainer.config import load_config
-    from trainer.launch import _tokenize_on_cluster
+    from trainer.runtime.launch import _tokenize_on_cluster
 
     folder = sharded(tmp_path / "sharded", ROWS)
     base = {
@@ -273,8 +274,8 @@ def test_cluster_tokenizing_is_chosen_for_many_files_on_ray(tmp_path, monkeypatc
 def test_batches_and_the_read_ahead_thread_change_no_byte(tmp_path, tokenizer, monkeypatch, bound):
     """Batches cut by rows or by characters, encoded in a helper thread while the next is
     read (the driver) or inline (a one-CPU cluster task): the same shard bytes and mask."""
-    import trainer.data as data_mod
-    from trainer.sources import list_sources
+    import trainer.data.tokenize as data_mod
+    from trainer.data.sources import list_sources
 
     data = write(tmp_path / "mixed.jsonl", [*ROWS, *CHAT, *ROWS[:7]])
     (src,) = list_sources(str(data))
@@ -302,8 +303,8 @@ def test_batches_and_the_read_ahead_thread_change_no_byte(tmp_path, tokenizer, m
 SHIPPED_WORKER = """
 import pickle, sys
 from pathlib import Path
-from trainer.data import Settings, tokenize_file
-from trainer.sources import list_sources
+from trainer.data.tokenize import Settings, tokenize_file
+from trainer.data.sources import list_sources
 
 tok = pickle.loads(Path(sys.argv[1]).read_bytes())
 settings = pickle.loads(Path(sys.argv[2]).read_bytes())
@@ -325,8 +326,8 @@ def test_a_shipped_tokenizer_encodes_text_without_transformers_and_chat_the_same
     import subprocess
     import sys
 
-    from trainer.data import ShippedTokenizer, tokenize_file
-    from trainer.sources import list_sources
+    from trainer.data.sources import list_sources
+    from trainer.data.tokenize import ShippedTokenizer, tokenize_file
 
     text = write(tmp_path / "in" / "text.jsonl", ROWS)
     chat = write(tmp_path / "in" / "chat.jsonl", CHAT)

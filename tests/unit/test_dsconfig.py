@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer import dsconfig
 from trainer.config import load_config
 from trainer.errors import ConfigError
+from trainer.strategies.deepspeed import config as dsconfig
 
 JOB = {
     "model": {"path": "/models/llama"},
@@ -198,7 +198,7 @@ def test_zero3_placeholder_parameters_are_grouped_by_their_full_shape():
     must still go to the matrices (DeepSpeed records the full shape as `ds_shape`)."""
     import torch
 
-    from trainer.strategies import param_groups
+    from trainer.strategies.base import param_groups
 
     model = torch.nn.Linear(4, 3)
     for p in model.parameters():

@@ -1,12 +1,12 @@
-"""NVMe offload's needs on a node (trainer.dsnodes): its folder, and DeepSpeed's async I/O
-op, probed with DeepSpeed's own compatibility check."""
+"""NVMe offload's needs on a node (trainer.strategies.deepspeed.nodes): its folder, and
+DeepSpeed's async I/O op, probed with DeepSpeed's own compatibility check."""
 
 from __future__ import annotations
 
 import pytest
 
-from trainer import dsnodes
 from trainer.errors import ConfigError
+from trainer.strategies.deepspeed import nodes as dsnodes
 
 KEY = "zero_optimization.offload_optimizer.nvme_path"
 

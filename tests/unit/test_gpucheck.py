@@ -23,7 +23,7 @@ def test_every_strategy_is_a_valid_job_in_bf16_on_gpus_and_fp32_on_cpu(name, gpu
 
 
 def test_the_gpu_model_is_about_0_6b_parameters():
-    from trainer.plan import ModelShape
+    from trainer.planner.shape import ModelShape
 
     shape = ModelShape.from_hf_config(gpucheck.llama_config(gpucheck.GPU_SIZE, 520))
     assert 0.5e9 < shape.params < 1.0e9

@@ -42,7 +42,8 @@ def test_laptop_path_runs_without_torch_ray_numpy_or_pyarrow(tmp_path: Path) -> 
     code = BLOCKER + textwrap.dedent(
         f"""
         import importlib, json, sys
-        for name in ("trainer.config", "trainer.preflight", "trainer.plan",
+        for name in ("trainer.config", "trainer.preflight", "trainer.planner.plan",
+                     "trainer.planner.report", "trainer.strategies.deepspeed.config",
                      "tools.plan", "tools.submit"):
             importlib.import_module(name)
 

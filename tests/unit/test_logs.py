@@ -11,7 +11,7 @@ from tests.conftest import ROOT
 PROBE = """
 import json, os, sys
 os.environ.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
-from trainer.logs import setup_logging
+from trainer.observability.logs import setup_logging
 setup_logging()
 loaded = "transformers" in sys.modules
 from transformers.utils import logging as hf_logging
@@ -36,7 +36,7 @@ def test_setup_logging_imports_no_transformers_and_still_silences_its_bars():
 def test_setup_logging_silences_an_already_imported_transformers():
     from transformers.utils import logging as hf_logging
 
-    from trainer.logs import setup_logging
+    from trainer.observability.logs import setup_logging
 
     hf_logging.enable_progress_bar()
     setup_logging()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.metrics import MetricsFile, lineage, mfu, peak_flops, read_records
-from trainer.storage import resolve
+from trainer.observability.metrics import MetricsFile, lineage, mfu, peak_flops, read_records
+from trainer.storage.location import resolve
 
 
 def test_peak_lookup():

@@ -11,9 +11,10 @@ import pytest
 
 from tests.unit.test_data_inputs import write
 from trainer.config import ConfigError, DataSection, load_config
-from trainer.data import PackedBlocks, prepare
-from trainer.mixing import MixedBatches, MixPlan
-from trainer.model import load_tokenizer
+from trainer.data.blocks import PackedBlocks
+from trainer.data.mixing import MixedBatches, MixPlan
+from trainer.data.tokenize import prepare
+from trainer.model.loading import load_tokenizer
 
 SIZES = [1000, 300, 100]
 WEIGHTS = [6.0, 3.0, 1.0]

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from tests.unit.test_data_inputs import TEMPLATE, write
-from trainer import packing
 from trainer.config import ConfigError, load_config
-from trainer.data import IGNORE, PackedBlocks, Settings, prepare
-from trainer.model import load_tokenizer
+from trainer.data import packing
+from trainer.data.blocks import PackedBlocks
+from trainer.data.tokenize import IGNORE, Settings, prepare
+from trainer.model.loading import load_tokenizer
 
 LENGTHS = (7, 12, 9)
 

@@ -9,9 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from trainer import plan as P
 from trainer.config import load_config
-from trainer.plan import GIB, ModelShape, Setup, plan, rank_memory
+from trainer.planner import memory as PM
+from trainer.planner import plan as P
+from trainer.planner import report as R
+from trainer.planner import shape as S
+from trainer.planner.memory import Setup, rank_memory
+from trainer.planner.plan import plan
+from trainer.planner.shape import GIB, ModelShape
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +66,7 @@ def test_gqa_tied_qwen2_count_matches_the_published_one():
 
 
 def test_a_config_without_the_shape_says_what_to_do():
-    with pytest.raises(P.UserError, match=r"hidden_size.*--params"):
+    with pytest.raises(S.UserError, match=r"hidden_size.*--params"):
         ModelShape.from_hf_config({"num_attention_heads": 4})
 
 
@@ -118,7 +123,7 @@ def test_fsdp_cpu_offload_moves_the_shards_to_host_ram():
     r = rank_memory(L7, s)
     assert r.weights == pytest.approx(2 * (ROOT_PARAMS + 2 * LAYER))  # only gathered
     assert r.optimizer == 0
-    host = P.host_memory(L7, s, r)
+    host = PM.host_memory(L7, s, r)
     assert host.offload == pytest.approx((4 + 4 + 8) * M / 8)  # params, grads, Adam
     assert host.export == 4 * M  # rank 0 gathers the full fp32 state dict
 
@@ -140,7 +145,7 @@ def test_zero2_optimizer_offload_puts_16_bytes_per_param_over_n_on_the_host():
     s = Setup("zero2", world=8, offload_optimizer="cpu")
     r = rank_memory(L7, s)
     assert r.optimizer == 0
-    assert P.host_memory(L7, s, r).offload == pytest.approx(16 * M / 8)
+    assert PM.host_memory(L7, s, r).offload == pytest.approx(16 * M / 8)
 
 
 def test_7b_zero3_offload_on_16_a10g_fits_and_needs_30_m_over_n_k_host_ram_per_node():
@@ -158,7 +163,7 @@ def test_7b_zero3_offload_on_16_a10g_fits_and_needs_30_m_over_n_k_host_ram_per_n
     # On the GPU only the two largest modules gathered in bf16 (a layer: 202M params).
     assert r.weights == pytest.approx(2 * 2 * LAYER)
     assert r.optimizer == 0
-    host = P.host_memory(L7, s, r)
+    host = PM.host_memory(L7, s, r)
     # 2 (bf16 params) + 4 (fp32 master) + 8 (Adam) + 4 (fp32 grads) = 18 B per param / N.
     assert host.offload == pytest.approx(18 * M / 16)
     # Two g5.48xlarge (8 A10G each): K = 8 ranks per node.
@@ -172,7 +177,7 @@ def test_7b_zero3_offload_on_16_a10g_fits_and_needs_30_m_over_n_k_host_ram_per_n
     # And a checkpoint stages a copy of the fp32 master + Adam partition: 12 B / N more.
     assert host.staging == pytest.approx(12 * M / 16)
     assert worker.host_need == pytest.approx(
-        P.HOST_NODE_RESERVE + 8 * (P.HOST_PER_GPU_PROCESS + 30 * M / 16)
+        S.HOST_NODE_RESERVE + 8 * (S.HOST_PER_GPU_PROCESS + 30 * M / 16)
     )
     # Rank 0's node also consolidates the 16-bit export: 2·M more.
     assert lay.nodes[0].host_need == pytest.approx(worker.host_need + 2 * M)
@@ -225,9 +230,9 @@ def test_activations_by_hand_with_and_without_checkpointing():
     per_layer = 4 * (2 * 64 + 2 * 64 + 2 * 64 + 4 * 128) + 2 * 8 * 64  # 4608
     # Head: final norm (4 + r)·h, lm_head input r·h, logits (c + 12)·V.
     head = 8 * 64 + 4 * 64 + 16 * 512  # 8960: the logits dominate at this size
-    assert P.activation_bytes(TINY, s, False) == t * (2 * per_layer + head)
+    assert PM.activation_bytes(TINY, s, False) == t * (2 * per_layer + head)
     # Checkpointing keeps each layer's input and rebuilds one layer at a time.
-    assert P.activation_bytes(TINY, s, True) == t * (2 * 4 * 64 + per_layer + head)
+    assert PM.activation_bytes(TINY, s, True) == t * (2 * 4 * 64 + per_layer + head)
 
 
 def test_lora_keeps_only_the_inputs_of_the_linears_it_trains():
@@ -237,13 +242,13 @@ def test_lora_keeps_only_the_inputs_of_the_linears_it_trains():
     full = Setup("ddp", gpu=False, micro_batch=2, block_size=16)
     lora = Setup("ddp", gpu=False, micro_batch=2, block_size=16, adapter="lora")
     t, layers, h, inter = 2 * 16, 2, 64, 128
-    saved = P.activation_bytes(TINY, full, False) - P.activation_bytes(TINY, lora, False)
+    saved = PM.activation_bytes(TINY, full, False) - PM.activation_bytes(TINY, lora, False)
     assert saved == t * layers * 4 * (h + inter)
     down = Setup(
         "ddp", gpu=False, micro_batch=2, block_size=16, adapter="lora",
         lora_targets=("q_proj", "down_proj"),
     )  # fmt: skip
-    assert P.activation_bytes(TINY, full, False) - P.activation_bytes(TINY, down, False) == (
+    assert PM.activation_bytes(TINY, full, False) - PM.activation_bytes(TINY, down, False) == (
         t * layers * 4 * h
     )
 
@@ -263,7 +268,7 @@ def test_total_counts_the_larger_of_gradients_and_activations_on_top_of_what_is_
 def test_eager_attention_adds_the_score_matrices():
     s = Setup("ddp", gpu=False, micro_batch=1, block_size=16)
     eager = Setup("ddp", gpu=False, micro_batch=1, block_size=16, eager_attention=True)
-    extra = P.activation_bytes(TINY, eager, False) - P.activation_bytes(TINY, s, False)
+    extra = PM.activation_bytes(TINY, eager, False) - PM.activation_bytes(TINY, s, False)
     assert extra == 16 * 2 * 4 * 16 * (4 + 4)  # tokens · layers · heads · s · (4 + c)
 
 
@@ -291,7 +296,7 @@ def test_cheapest_layout_grows_the_worker_count_when_needed():
     for name, inst in P.load_instances().items():
         if inst.family != "gpu":
             continue
-        other = P.layout(L7, Setup(**{**P.asdict(s), "world": 8}), name)
+        other = P.layout(L7, Setup(**{**S.asdict(s), "world": 8}), name)
         if other.verdict == "fits":
             assert other.usd_per_hour >= p.cheapest.usd_per_hour
 
@@ -391,33 +396,33 @@ def test_submit_skips_the_plan_when_its_inputs_are_only_on_the_cluster(tmp_path,
         mfu=None,
     )
     with caplog.at_level("INFO"):
-        assert P.submit_refusal(cfg, args) is None
+        assert R.submit_refusal(cfg, args) is None
     assert "plan: skipped" in caplog.text and "/efs/ds.json" in caplog.text
     cfg = load_config(_job(tmp_path, model={"path": str(tmp_path / "elsewhere")}))
-    assert P.submit_refusal(cfg, args) is None
+    assert R.submit_refusal(cfg, args) is None
 
 
 def test_checkpoint_staging_copy_is_counted_in_host_ram():
     """A checkpoint stages a host copy of the resume state while it is written in the
-    background (trainer.staging): FSDP every rank's fp32 shard and its Adam moments
+    background (trainer.checkpoint.staging): FSDP every rank's fp32 shard and its Adam moments
     (12 B per param / N), DDP the whole state on rank 0 only, ZeRO-2/3 each rank's
     optimizer partition (fp32 master + moments, 12 B / N) and ZeRO-2's rank 0 the bf16
     module weights (2 B per param)."""
     fsdp = Setup("fsdp", world=16, precision="bf16")
-    host = P.host_memory(L7, fsdp, rank_memory(L7, fsdp))
+    host = PM.host_memory(L7, fsdp, rank_memory(L7, fsdp))
     assert host.staging == pytest.approx(12 * M / 16) and host.staging_rank0 == 0
     lay = P.layout(L7, fsdp, "g5.12xlarge")  # 4 A10G per node
     worker = next(n for n in lay.nodes if not n.rank0)
     assert worker.host_need == pytest.approx(
-        P.HOST_NODE_RESERVE + 4 * (P.HOST_PER_GPU_PROCESS + 12 * M / 16)
+        S.HOST_NODE_RESERVE + 4 * (S.HOST_PER_GPU_PROCESS + 12 * M / 16)
     )
     ddp = Setup("ddp", world=2, precision="bf16")
-    host = P.host_memory(L7, ddp, rank_memory(L7, ddp))
+    host = PM.host_memory(L7, ddp, rank_memory(L7, ddp))
     assert host.staging == 0 and host.staging_rank0 == pytest.approx(12 * M)
     zero3 = Setup("zero3", world=16, precision="bf16")
-    host = P.host_memory(L7, zero3, rank_memory(L7, zero3))
+    host = PM.host_memory(L7, zero3, rank_memory(L7, zero3))
     assert host.staging == pytest.approx(12 * M / 16) and host.staging_rank0 == 0
     zero2 = Setup("zero2", world=16, precision="bf16")
-    host = P.host_memory(L7, zero2, rank_memory(L7, zero2))
+    host = PM.host_memory(L7, zero2, rank_memory(L7, zero2))
     assert host.staging == pytest.approx(12 * M / 16)
     assert host.staging_rank0 == pytest.approx(2 * M)

@@ -1,10 +1,13 @@
 """The planner's (dp, pp, tp) figures: memory per rank and bytes sent per step, on the
-published Llama-2 shapes (the README's g5 table comes from these functions)."""
+published Llama-2 shapes (the g5 table in docs/strategies.md comes from these functions)."""
 
 from __future__ import annotations
 
 from trainer.config import JobConfig
-from trainer.plan import ModelShape, Setup, communication, format_plan, plan, rank_memory
+from trainer.planner.memory import Setup, communication, rank_memory
+from trainer.planner.plan import plan
+from trainer.planner.report import format_plan
+from trainer.planner.shape import ModelShape
 
 L13 = ModelShape(5120, 40, 40, 40, 13824, 32000)
 L70 = ModelShape(8192, 80, 64, 8, 28672, 32000)

@@ -59,8 +59,8 @@ def test_empty_run_says_so(tmp_path):
 
 
 def test_journal_lines_say_what_faults_cost(tmp_path):
-    from trainer import journal
-    from trainer.storage import resolve
+    from trainer.resilience import journal
+    from trainer.storage.location import resolve
 
     run_dir = tmp_path / "runs" / "r2"
     _write_history(run_dir / "metrics.jsonl")

@@ -11,10 +11,12 @@ from typing import Any
 import pyarrow.fs as pafs
 import pytest
 
-from trainer import journal
-from trainer.checkpoint import completeness, write_manifest
+from trainer.checkpoint.manager import completeness, write_manifest
+from trainer.checkpoint.upload import upload_checkpoint
 from trainer.config import JobConfig
-from trainer.storage import Location, UploadError, is_transient, resolve, upload_checkpoint
+from trainer.resilience import journal
+from trainer.storage.location import Location, resolve
+from trainer.storage.retry import UploadError, is_transient
 
 
 class FlakyHandler(pafs.FileSystemHandler):
@@ -142,7 +144,7 @@ def test_resume_lookup_waits_out_an_s3_outage(tmp_path, s3_server, caplog):
     import logging
     import threading
 
-    from trainer.runtime import Runtime
+    from trainer.runtime.worker import Runtime
 
     run = resolve(f"s3://{s3_server['bucket']}/lookup-outage", s3_server["endpoint"])
     upload_checkpoint(_checkpoint(tmp_path), run.join("step_00000004"), 30)
@@ -156,7 +158,7 @@ def test_resume_lookup_waits_out_an_s3_outage(tmp_path, s3_server, caplog):
                 tried.set()
 
     seen = Seen()
-    logging.getLogger("trainer.storage").addHandler(seen)
+    logging.getLogger("trainer.storage.retry").addHandler(seen)
     got: list[Any] = []
     server = s3_server["server"]
     server.stop()
@@ -170,7 +172,7 @@ def test_resume_lookup_waits_out_an_s3_outage(tmp_path, s3_server, caplog):
         assert not got  # still waiting for storage, not failed
     finally:
         server.start()
-        logging.getLogger("trainer.storage").removeHandler(seen)
+        logging.getLogger("trainer.storage.retry").removeHandler(seen)
     lookup.join(120)
     assert got and got[0] is not None, got
     assert json.loads((got[0] / "trainer_state.json").read_text())["step"] == 4
@@ -207,7 +209,7 @@ def test_journal_merges_writers_and_summarizes(tmp_path):
 def test_failure_causes_from_ray_errors():
     from ray.exceptions import RayActorError
 
-    from trainer.raycallbacks import failure_cause
+    from trainer.resilience.callbacks import failure_cause
 
     class Preempted(RayActorError):
         @property
@@ -262,7 +264,7 @@ def test_retrying_filesystem_survives_a_blip_in_ray_style_writes_and_reads(tmp_p
     read it back) goes through the wrapper; a blip during the write is retried whole."""
     import pickle
 
-    from trainer.storage import retrying
+    from trainer.storage.retry import retrying
 
     handler = FlakyHandler(failures=2, error="Could not connect to server")
     fs = retrying(pafs.PyFileSystem(handler), retry_s=30)
@@ -292,13 +294,13 @@ def test_fault_hold_stops_an_upload_before_its_manifests_until_released(tmp_path
     until the release file appears; a checkpoint of another step is never held."""
     import threading
 
-    from trainer import drill
+    from trainer.resilience import faults
 
     release = tmp_path / "release"
     monkeypatch.setenv("RAYLIFT_FAULT_HOLD", f"4:{release}")
     src = _checkpoint(tmp_path)
     other = tmp_path / "dest" / "step_00000008"
-    upload_checkpoint(src, resolve(str(other)), 30, None, lambda: drill.hold(8, "upload", 0))
+    upload_checkpoint(src, resolve(str(other)), 30, None, lambda: faults.hold(8, "upload", 0))
     assert completeness(resolve(str(other)))[0] is not None
 
     dest = tmp_path / "dest" / "step_00000004"
@@ -306,7 +308,7 @@ def test_fault_hold_stops_an_upload_before_its_manifests_until_released(tmp_path
     thread = threading.Thread(
         target=lambda: (
             upload_checkpoint(
-                src, resolve(str(dest)), 30, None, lambda: drill.hold(4, "upload", 0)
+                src, resolve(str(dest)), 30, None, lambda: faults.hold(4, "upload", 0)
             ),
             done.set(),
         )
@@ -345,11 +347,11 @@ def test_prepared_uploads_parse_no_sdk_model_during_training(tmp_path, s3_server
     endpoint and S3 models while holding the GIL the training thread needs."""
     from botocore.loaders import JSONFileLoader
 
-    from trainer import storage
+    from trainer.checkpoint import upload
 
-    monkeypatch.setattr(storage, "_s3_clients", {})  # this process's first client
+    monkeypatch.setattr(upload, "_s3_clients", {})  # this process's first client
     loc = resolve("s3://ckpt/prepared", s3_server["endpoint"])
-    storage.prepare_uploads(loc)
+    upload.prepare_uploads(loc)
     parsed: list[str] = []
     load = JSONFileLoader.load_file
     monkeypatch.setattr(
@@ -357,7 +359,7 @@ def test_prepared_uploads_parse_no_sdk_model_during_training(tmp_path, s3_server
     )
     src = tmp_path / "part.bin"
     src.write_bytes(b"x" * 4096)
-    storage.put_files_s3([(src, "part.bin")], loc)
+    upload.put_files_s3([(src, "part.bin")], loc)
     head = s3_server["client"].head_object(Bucket="ckpt", Key="prepared/part.bin")
     assert head["ContentLength"] == 4096
     assert parsed == []

@@ -1,4 +1,4 @@
-"""Checkpoint staging (trainer.staging): a checkpoint holds the state as it was when the
+"""Checkpoint staging (trainer.checkpoint.staging): a checkpoint holds the state as it was when the
 step saved it, however far training has moved on while the background thread writes it;
 the manifest comes only after the files; a failed write fails the upload's wait. One
 process, a real DDP strategy on a tiny Llama, no Ray."""
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tests.unit.test_state_nbytes import VOCAB, _strategy, model_dir  # noqa: F401 - fixture
-from trainer import checkpoint as ck
-from trainer import staging
+from trainer.checkpoint import manager as ck
+from trainer.checkpoint import staging
 
 
 def _train_step(s, seed: int) -> None:
@@ -303,7 +303,7 @@ def test_ddp_checkpoint_staged_while_the_one_before_is_written_keeps_both_steps(
 
 
 def _local(path: Path):
-    from trainer.storage import resolve
+    from trainer.storage.location import resolve
 
     return resolve(str(path))
 
@@ -317,12 +317,15 @@ def _ds_worker(rank: int, stage: int, model: str, init: str, out: str) -> None:
     import torch.distributed as dist
 
     from trainer.config import load_config
-    from trainer.strategies import ModelSource, build_strategy
+    from trainer.strategies.base import ModelSource, build_strategy
 
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)  # DeepSpeed asks for it, as torchrun and Ray set it
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
-    config = Path(__file__).resolve().parents[2] / f"trainer/configs/deepspeed/zero{stage}.json"
+    config = (
+        Path(__file__).resolve().parents[2]
+        / f"trainer/strategies/deepspeed/templates/zero{stage}.json"
+    )
     cfg = load_config(
         {
             "model": {"path": model},
@@ -414,7 +417,8 @@ def _fsdp_worker(rank: int, model: str, init: str, out: str, second: Any) -> Non
     import torch.distributed as dist
 
     from trainer.config import load_config
-    from trainer.strategies import ModelSource, build_strategy, fsdp
+    from trainer.strategies import fsdp
+    from trainer.strategies.base import ModelSource, build_strategy
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)

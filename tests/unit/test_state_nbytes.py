@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trainer.config import load_config
-from trainer.strategies import ModelSource, build_strategy
+from trainer.strategies.base import ModelSource, build_strategy
 
 VOCAB = 96
 

@@ -210,7 +210,7 @@ def test_logs_follow_stderr_as_it_is_now_not_as_it_was(tmp_path, monkeypatch):
     import io
     import logging
 
-    from trainer.logs import setup_logging
+    from trainer.observability.logs import setup_logging
 
     first = io.StringIO()
     monkeypatch.setattr("sys.stderr", first)
@@ -246,7 +246,7 @@ def _follow(chunks: list[str]):
 def test_follow_finds_the_summary_cut_across_chunks_and_among_another_writers_text(capsys):
     """A fresh-clone CI run crashed in follow() with 'Extra data': Ray's log thread printed a
     worker's line into the driver's stdout between the summary's JSON and its newline."""
-    from trainer.logs import SUMMARY_MARK
+    from trainer.observability.logs import SUMMARY_MARK
 
     summary = {"steps": 4, "checkpoint": "s3://b/r/step_4", "losses": [3.2, 2.0]}
     line = SUMMARY_MARK + json.dumps(summary)
@@ -274,8 +274,8 @@ def test_follow_finds_the_summary_cut_across_chunks_and_among_another_writers_te
 
 
 def test_marked_lines_are_one_write_and_doctor_finds_its_result_among_other_text():
-    from trainer.doctor import MARK
-    from trainer.logs import print_marked
+    from trainer.observability.logs import print_marked
+    from trainer.runtime.doctor import MARK
 
     class Stream:
         def __init__(self) -> None:

@@ -17,8 +17,8 @@ import pytest
 from tests.trackers import tb_events, wandb_history
 from trainer.config import JobConfig, load_config
 from trainer.errors import ConfigError
-from trainer.storage import resolve
-from trainer.tracking import (
+from trainer.observability.tracking.sender import Sender
+from trainer.observability.tracking.trackers import (
     STATE_FILE,
     Tracker,
     flat_config,
@@ -26,7 +26,7 @@ from trainer.tracking import (
     open_tracker,
     read_state,
 )
-from trainer.tracking.sender import Sender
+from trainer.storage.location import resolve
 
 
 def _cfg(tmp_path: Path, **tracking: Any) -> JobConfig:
@@ -218,7 +218,7 @@ def test_a_restarted_rank_zero_opens_its_run_in_a_service_of_its_own(tmp_path):
         assert os.environ.get("WANDB_SERVICE")  # what a child inherits
         code = (
             "import sys; from pathlib import Path; "
-            "from trainer.tracking.backends import WandbBackend; "
+            "from trainer.observability.tracking.backends import WandbBackend; "
             "b = WandbBackend('proj', None, 'offline', 'r', Path(sys.argv[1]), 0); "
             "b.open(sys.argv[2]); b.metrics(1, {'loss': 1.0}, 0.0); b.close('finished'); "
             "print('opened')"
@@ -407,7 +407,7 @@ def test_a_kill_while_the_mlflow_store_is_made_leaves_no_database(tmp_path):
 
     db = tmp_path / "mlflow.db"
     code = (
-        "import sys; from trainer.tracking.backends import prepare_mlflow_store; "
+        "import sys; from trainer.observability.tracking.backends import prepare_mlflow_store; "
         "prepare_mlflow_store(sys.argv[1])"
     )
     proc = subprocess.Popen([sys.executable, "-c", code, f"sqlite:///{db}"])
@@ -423,7 +423,7 @@ def test_a_kill_while_the_mlflow_store_is_made_leaves_no_database(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not db.exists()
-    from trainer.tracking.backends import prepare_mlflow_store
+    from trainer.observability.tracking.backends import prepare_mlflow_store
 
     prepare_mlflow_store(f"sqlite:///{db}")  # the next driver makes it whole
     from mlflow.tracking import MlflowClient

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer.workerstats import FIELDS, PHASES, StepTimer, WorkerStats, summarize
+from trainer.observability.workerstats import FIELDS, PHASES, StepTimer, WorkerStats, summarize
 
 EXTRA_GIB = 0.5
 

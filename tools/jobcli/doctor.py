@@ -1,6 +1,6 @@
 """`submit.py doctor`: submit `python -m trainer doctor`, then judge and show its answer.
 
-The job reports each node's facts (trainer.doctor); this side decides what is red, since
+The job reports each node's facts (trainer.runtime.doctor); this side decides what is red, since
 only here are all nodes seen together: a version that differs across nodes is red on
 every node, whichever one is "right". Token auth is also probed from here, the way an
 attacker would: a request to the Jobs API without the token must be refused.
@@ -13,8 +13,8 @@ import urllib.request
 from collections import Counter
 from typing import Any
 
-from trainer.doctor import MARK
-from trainer.logs import find_marked
+from trainer.observability.logs import find_marked
+from trainer.runtime.doctor import MARK
 
 VERSIONED = ("python", "ray", "torch", "transformers")
 

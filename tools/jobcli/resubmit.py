@@ -29,8 +29,8 @@ def finished_step(cfg: JobConfig) -> int | None:
     """The step at which the run finished, from its journal in storage; None if it has
     not finished (or never started)."""
     try:
-        from trainer import journal
-        from trainer.storage import resolve
+        from trainer.resilience import journal
+        from trainer.storage.location import resolve
     except ImportError as exc:
         raise UserError(
             f"--resubmit reads the run's journal in storage and needs {exc.name} "

@@ -108,8 +108,8 @@ def slowest_line(rec: dict[str, Any]) -> str | None:
 def read_progress(meta: dict[str, str], total: int | None = None) -> Progress:
     """The one place that reads a run's progress (the metrics file today; a run journal
     later). `meta` is the submission's metadata: it names the run's storage."""
-    from trainer.metrics import lineage, read_records
-    from trainer.storage import resolve
+    from trainer.observability.metrics import lineage, read_records
+    from trainer.storage.location import resolve
 
     uri = meta.get("raylift_storage")
     if not uri:
@@ -122,7 +122,7 @@ def read_progress(meta: dict[str, str], total: int | None = None) -> Progress:
     steps, lost = lineage(records)
     restarts = sum(1 for r in records if r.get("event") == "resume")
     try:  # the run journal knows restarts from clean resubmissions apart
-        from trainer import journal
+        from trainer.resilience import journal
 
         faults = journal.summarize(journal.read(run.join(meta[RUN_KEY])))
         if faults["attempts"]:

@@ -14,7 +14,7 @@ from trainer.errors import UserError
 
 
 def build_optimizer(cfg: JobConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    from trainer.strategies import param_groups
+    from trainer.strategies.base import param_groups
 
     o = cfg.optim
     groups = param_groups(model, o.weight_decay)
@@ -100,7 +100,7 @@ class ModelCalls:
         """Forward and backward of one micro batch; its loss (a token sum over
         `num_items`), detached. Only the loss is kept: holding the output would keep its
         logits (a vocab-sized row per token) alive through the backward pass. `attention`
-        is trainer.packing's (a block-causal mask and restarted positions), or nothing."""
+        is trainer.data.packing's (a block-causal mask and restarted positions), or nothing."""
         with self.precision():
             loss = self.model(input_ids=x, labels=y, num_items_in_batch=num_items, **attention).loss
         self.backward(loss)
@@ -120,7 +120,7 @@ class ModelCalls:
 class Evaluating:
     """Eval mode + no grad, then back to train mode. The model stays in train mode outside
     evaluation (bitsandbytes' 4-bit layers rewrite their weights in eval mode on some
-    CPUs; see trainer.adapters)."""
+    CPUs; see trainer.model.adapters)."""
 
     def __init__(self, model: torch.nn.Module, before: Any = None):
         self.model = model

@@ -6,7 +6,7 @@ this rank's pipeline stage(s), split over tp, sharded over dp, materialised, and
 filled from the safetensors files: every rank memory-maps the checkpoint and copies in
 just its shards, so no rank ever holds the whole model. FSDP does not broadcast initial
 weights the way DDP does, so the weights every rank builds must be equal: the grown
-embedding rows come from a seeded generator (trainer.model).
+embedding rows come from a seeded generator (trainer.model.loading).
 
 With pp > 1 the strategy's train step runs the pipeline schedule (forward and backward of
 every microbatch together); the loop still sees one call per micro step and a loss.
@@ -31,17 +31,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer import staging
+from trainer.checkpoint import staging
 from trainer.config import FSDPOptions, JobConfig
 from trainer.errors import CheckpointError, UserError
-from trainer.model import full_state_dict, model_config
-from trainer.strategies import ModelSource
-from trainer.strategies.common import (
-    Evaluating,
-    ModelCalls,
-    build_optimizer,
-    torch_state_nbytes,
-)
+from trainer.model.loading import full_state_dict, model_config
+from trainer.strategies.base import ModelSource
+from trainer.strategies.common import Evaluating, ModelCalls, build_optimizer, torch_state_nbytes
 
 IGNORE = -100
 
@@ -349,7 +344,7 @@ class FSDPStrategy(ModelCalls):
         state, _ = self._state()
         gpu = self.device.type == "cuda"
         # One stager for the run: it keeps its host copies and copies the next save into
-        # them (trainer.staging.Stager says why), which is safe because the save before
+        # them (trainer.checkpoint.staging.Stager says why), which is safe because the save before
         # has finished reading them (above).
         stager = getattr(self, "_dcp_stager", None)
         if stager is None:

@@ -7,7 +7,7 @@ import re
 import pytest
 from infra_stack import INFRA, StackRunner, stack_file_config
 
-from trainer.catalog import get_instance
+from trainer.planner.catalog import get_instance
 
 # From Ray's Llama-2 DeepSpeed template reference runs (USERS.md): one A10G per Ray worker.
 REFERENCE_GPUS = {"7b": 16, "13b": 16, "70b": 32}

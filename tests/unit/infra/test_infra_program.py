@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from infra_stack import ASG, FULL_CONFIG, INFRA, LT, Stack, StackRunner, stack_file_config
 
-from trainer.catalog import get_instance
+from trainer.planner.catalog import get_instance
 
 SG = "aws:ec2/securityGroup:SecurityGroup"
 INGRESS = "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.catalog import Catalog, get_instance, load_catalog, load_instances
+from trainer.planner.catalog import Catalog, get_instance, load_catalog, load_instances
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -58,7 +58,7 @@ def test_unknown_instance_says_where_to_add_it() -> None:
 
 def test_import_pulls_in_no_torch_or_ray() -> None:
     code = (
-        "import sys; import trainer.catalog as c; c.load_instances(); "
+        "import sys; import trainer.planner.catalog as c; c.load_instances(); "
         "bad = [m for m in ('torch', 'ray', 'boto3', 'pulumi') if m in sys.modules]; "
         "assert not bad, bad"
     )
@@ -75,7 +75,7 @@ def test_infra_reads_the_same_facts_as_the_planner() -> None:
 
     ours = infra_catalog()
     assert ours.path == CATALOG_FILE
-    assert ours.display_path == "trainer/catalog/instances.yaml"
+    assert ours.display_path == "trainer/planner/catalog/instances.yaml"
     planner = load_instances()
     assert set(ours.instances) == set(planner)
     for name, spec in ours.instances.items():

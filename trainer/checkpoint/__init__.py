@@ -1,0 +1,2 @@
+"""Checkpoints: the manager (cadence, layout, manifests, stateful parts), staging copies
+written in the background, and uploads."""

@@ -1,0 +1,2 @@
+"""Data: sources, tokenizing (here or on the cluster), the token cache, packed blocks,
+document attention and mixing."""

@@ -1,0 +1,296 @@
+"""Where the data rows come from: files, folders, globs and s3:// prefixes, in jsonl,
+jsonl.gz, jsonl.zst or parquet, and what each row means (text, prompt/completion, chat).
+
+This module imports only the standard library at the top, because the laptop's
+preflight samples local jsonl(.gz) files through it. pyarrow is imported inside the
+functions that need it (S3, zstd, parquet), which only run on the cluster.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import DataError, UserError
+
+SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
+TEXT_KEYS = ("text", "input")
+_GLOB = set("*?[")
+_SHAPE = (
+    'expected an object with a string "text" or "input" field, string "prompt" and '
+    '"completion" fields, or a "messages" list'
+)
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One input file, and the cheap facts that identify its content (the cache key)."""
+
+    uri: str  # what errors print: a local path or s3://bucket/key
+    size: int
+    mtime_ns: int
+
+    @property
+    def is_s3(self) -> bool:
+        return self.uri.startswith("s3://")
+
+    @property
+    def fmt(self) -> str:
+        for suffix in SUFFIXES:
+            if self.uri.endswith(suffix):
+                return suffix
+        return ".jsonl"
+
+
+@dataclass(frozen=True)
+class Example:
+    """A row's meaning: plain text (every token in the loss), or chat messages, where
+    only the assistant turns are completions."""
+
+    text: str | None = None
+    messages: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass
+class ScanReport:
+    documents: int = 0
+    skipped: int = 0
+    first_skipped: list[str] = field(default_factory=list)
+
+
+def load_special_tokens(path: str | Path) -> list[str]:
+    """Read a `{"tokens": [...]}` file (the Ray Llama template's tokens.json)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: special-tokens file not found") from None
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+    tokens = data.get("tokens") if isinstance(data, dict) else None
+    if not isinstance(tokens, list) or not all(isinstance(t, str) and t for t in tokens):
+        raise DataError(f'{path}: expected {{"tokens": ["<TOK>", ...]}} with non-empty strings')
+    return tokens
+
+
+def _supported(name: str) -> bool:
+    return name.endswith(SUFFIXES)
+
+
+def _has_glob(uri: str) -> bool:
+    return any(c in _GLOB for c in uri)
+
+
+def list_local(spec: str) -> list[SourceFile]:
+    """A file, a folder (every supported file under it) or a glob, sorted by path so the
+    global order of rows does not depend on the filesystem's listing order."""
+    path = Path(spec).expanduser()
+    if _has_glob(spec):
+        names = [p for p in glob.glob(str(path), recursive=True) if Path(p).is_file()]
+    elif path.is_dir():
+        names = [str(p) for p in path.rglob("*") if p.is_file() and _supported(p.name)]
+        names = [n for n in names if "/.raylift-cache/" not in n]
+    elif path.is_file():
+        names = [str(path)]
+    else:
+        raise UserError(f"{spec}: data not found (a file, folder, glob or s3:// prefix)")
+    out = []
+    for name in sorted(names):
+        st = os.stat(name)
+        out.append(SourceFile(str(Path(name).resolve()), st.st_size, st.st_mtime_ns))
+    if not out:
+        raise UserError(f"{spec}: no data files ({', '.join(SUFFIXES)}) found there")
+    return out
+
+
+def list_s3(spec: str, endpoint: str | None, region: str | None) -> list[SourceFile]:
+    """An object, a prefix (every supported object under it) or a glob over keys."""
+    import fnmatch
+
+    import pyarrow.fs as pafs
+
+    from trainer.storage.location import resolve
+
+    loc = resolve(spec, endpoint, region)
+    pattern = loc.path if _has_glob(loc.path) else None
+    base = loc.path
+    if pattern is not None:
+        cut = min(i for i, c in enumerate(pattern) if c in _GLOB)
+        base = pattern[:cut].rsplit("/", 1)[0]
+    try:
+        info = loc.fs.get_file_info(base)
+        if info.type == pafs.FileType.File and pattern is None:
+            infos = [info]
+        elif info.type == pafs.FileType.NotFound:
+            infos = []
+        else:
+            sel = pafs.FileSelector(base, recursive=True)
+            infos = [i for i in loc.fs.get_file_info(sel) if i.type == pafs.FileType.File]
+    except OSError as exc:
+        raise UserError(f"{spec}: cannot list: {str(exc).splitlines()[0][:300]}") from None
+    if pattern is not None:
+        infos = [i for i in infos if fnmatch.fnmatchcase(i.path, pattern)]
+    else:
+        infos = [i for i in infos if _supported(i.path)]
+    out = [
+        SourceFile("s3://" + i.path, int(i.size or 0), int(i.mtime_ns or 0))
+        for i in sorted(infos, key=lambda i: i.path)
+    ]
+    if not out:
+        raise UserError(f"{spec}: no data files ({', '.join(SUFFIXES)}) found there")
+    return out
+
+
+def list_sources(
+    spec: str, endpoint: str | None = None, region: str | None = None
+) -> list[SourceFile]:
+    if spec.startswith("s3://"):
+        return list_s3(spec, endpoint, region)
+    return list_local(spec)
+
+
+def _open_binary(src: SourceFile, endpoint: str | None, region: str | None) -> Any:
+    """A binary line stream over the decompressed bytes of a jsonl file."""
+    if not src.is_s3 and src.fmt in (".jsonl", ".jsonl.gz"):
+        return gzip.open(src.uri, "rb") if src.fmt == ".jsonl.gz" else open(src.uri, "rb")
+    import io
+
+    from trainer.storage.location import resolve
+
+    loc = resolve(src.uri, endpoint, region)
+    try:
+        stream = loc.fs.open_input_stream(loc.path, compression="detect")
+    except OSError as exc:
+        raise UserError(f"{src.uri}: cannot read: {str(exc).splitlines()[0][:300]}") from None
+    return io.BufferedReader(stream, buffer_size=1 << 20)
+
+
+def iter_raw(
+    src: SourceFile, endpoint: str | None = None, region: str | None = None
+) -> Iterator[tuple[int, Any, str | None]]:
+    """(line or row number, parsed object, problem) for every non-blank row."""
+    if src.fmt == ".parquet":
+        yield from _iter_parquet(src, endpoint, region)
+        return
+    with _open_binary(src, endpoint, region) as f:
+        lineno = 0
+        while True:
+            try:
+                raw = f.readline()
+            except (OSError, EOFError, gzip.BadGzipFile) as exc:
+                raise DataError(
+                    f"{src.uri}:{lineno + 1}: cannot decompress ({exc}); is the file whole?"
+                ) from None
+            if not raw:
+                return
+            lineno += 1
+            if not raw.strip():
+                continue
+            try:
+                yield lineno, json.loads(raw), None
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                yield lineno, None, f"not valid JSON ({getattr(exc, 'msg', exc)})"
+
+
+def _iter_parquet(
+    src: SourceFile, endpoint: str | None, region: str | None
+) -> Iterator[tuple[int, Any, str | None]]:
+    import pyarrow.parquet as pq
+
+    from trainer.storage.location import resolve
+
+    loc = resolve(src.uri, endpoint, region)
+    try:
+        pf = pq.ParquetFile(loc.fs.open_input_file(loc.path))
+    except Exception as exc:
+        raise DataError(f"{src.uri}: not a readable parquet file ({exc})") from None
+    row = 0
+    for batch in pf.iter_batches(batch_size=4096):
+        for obj in batch.to_pylist():
+            row += 1
+            yield row, obj, None
+
+
+def parse_row(obj: Any) -> tuple[Example | None, str | None]:
+    """A row's meaning, or why it has none."""
+    if not isinstance(obj, dict):
+        return None, _SHAPE
+    for key in TEXT_KEYS:
+        value = obj.get(key)
+        if isinstance(value, str):
+            return Example(text=value), None
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            return None, '"messages" must be a non-empty list of {"role", "content"}'
+        out = []
+        for i, m in enumerate(msgs):
+            if not (
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+            ):
+                return None, f'messages[{i}]: expected {{"role": str, "content": str}}'
+            out.append((m["role"], m["content"]))
+        if not any(role == "assistant" for role, _ in out):
+            return None, '"messages" has no assistant turn to learn from'
+        return Example(messages=tuple(out)), None
+    if "prompt" in obj or "completion" in obj:
+        p, c = obj.get("prompt"), obj.get("completion")
+        if not isinstance(p, str) or not isinstance(c, str):
+            return None, '"prompt" and "completion" must both be strings'
+        return Example(messages=(("user", p), ("assistant", c))), None
+    return None, _SHAPE
+
+
+def iter_examples(
+    src: SourceFile,
+    on_bad_line: str,
+    report: ScanReport,
+    endpoint: str | None = None,
+    region: str | None = None,
+) -> Iterator[Example]:
+    """Each row's Example; a bad row raises DataError naming file:line (file:row for
+    parquet), or, with on_bad_line=skip, is counted in `report`, never dropped silently."""
+    unit = "row " if src.fmt == ".parquet" else ""
+    for lineno, obj, problem in iter_raw(src, endpoint, region):
+        example = None
+        if problem is None:
+            example, problem = parse_row(obj)
+        if example is None:
+            where = f"{src.uri}:{unit}{lineno}"
+            if on_bad_line == "error":
+                raise DataError(f"{where}: {problem}; fix the row or set data.on_bad_line: skip")
+            report.skipped += 1
+            if len(report.first_skipped) < 5:
+                report.first_skipped.append(f"{where}: {problem}")
+            continue
+        report.documents += 1
+        yield example
+
+
+def sample_check(spec: str, what: str, on_bad_line: str, limit: int) -> str | None:
+    """The laptop's quick look: the first `limit` rows of the first local jsonl(.gz) file.
+    Returns a note when the data can only be checked on the cluster (S3, zstd, parquet:
+    those readers need pyarrow, which the laptop path does not import)."""
+    if spec.startswith("s3://"):
+        return f"{what} {spec}: S3 data is listed and checked on the cluster"
+    files = list_local(spec)
+    first = files[0]
+    if first.fmt not in (".jsonl", ".jsonl.gz"):
+        return f"{what} {first.uri}: {first.fmt} rows are checked on the cluster"
+    scan = ScanReport()
+    seen = 0
+    for _ in iter_examples(first, on_bad_line, scan):
+        seen += 1
+        if seen >= limit:
+            break
+    if seen == 0 and scan.skipped == 0 and len(files) == 1:
+        raise DataError(f"{what} {first.uri}: the file has no documents")
+    return None

@@ -1,0 +1,159 @@
+"""The adapter axis: LoRA and QLoRA (peft + bitsandbytes), composable with a strategy.
+
+`model.adapter: none` trains every weight. `lora` freezes the base (loaded in the compute
+dtype: it is never updated, so no fp32 master copy is needed) and trains low-rank
+adapters; `qlora` does the same over a 4-bit nf4 base with double quantization. When the
+job adds special tokens the new embedding rows must be learned, so the input and output
+embeddings are trained in full too (`modules_to_save`); the adapter folder then holds them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.config import JobConfig
+from trainer.errors import UserError
+
+log = logging.getLogger(__name__)
+
+ADAPTER_DIR = "adapter"
+MERGED_DIR = "model_merged"
+
+
+def enabled(cfg: JobConfig) -> bool:
+    return cfg.model.adapter != "none"
+
+
+def base_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
+    """The frozen base's dtype: the compute dtype on GPUs, fp32 on CPUs (no bf16 kernels
+    worth having there, and fp32 keeps CPU runs comparable with full fine-tuning)."""
+    if device.type != "cuda":
+        return torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
+        cfg.train.precision
+    ]
+
+
+def quantization(cfg: JobConfig, device: torch.device) -> Any:
+    if cfg.model.adapter != "qlora":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise UserError(
+            "model.adapter qlora: bitsandbytes is not installed (use the bnb image)"
+        ) from None
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=base_dtype(cfg, device),
+    )
+
+
+def keep_4bit_layout(model: torch.nn.Module) -> int:
+    """bitsandbytes 0.50.2's Linear4bit.forward, on CPUs with avx512_bf16, rewrites its
+    weight in place into a CPU-packed layout the first time it runs in eval mode on an
+    input that needs no grad. That changes later training losses (and desynchronises
+    FSDP shards). The switch is an internal attribute, which is why bitsandbytes is
+    pinned; returns how many layers were switched off."""
+    n = 0
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
+
+
+def apply(model: Any, cfg: JobConfig, grew_vocab: bool) -> Any:
+    """Wrap the loaded base in a PEFT model with the configured adapters."""
+    try:
+        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    except ImportError:
+        raise UserError(
+            f"model.adapter {cfg.model.adapter}: peft is not installed (use the trainer image)"
+        ) from None
+    if cfg.model.adapter == "qlora":
+        keep_4bit_layout(model)
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=cfg.model.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    lo = cfg.model.lora
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [t for t in lo.target_modules if t not in names]
+    if missing:
+        raise UserError(
+            f"model.lora.target_modules: {missing} are not modules of this model "
+            f"(it has e.g. {sorted(n for n in names if n.endswith('proj'))[:8]})"
+        )
+    peft_cfg = LoraConfig(
+        r=lo.r,
+        lora_alpha=lo.alpha,
+        lora_dropout=lo.dropout,
+        target_modules=list(lo.target_modules),
+        modules_to_save=_embedding_names(model) if grew_vocab else None,
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, peft_cfg)
+    if cfg.model.gradient_checkpointing and cfg.model.adapter == "lora":
+        model.enable_input_require_grads()
+    return model
+
+
+def _embedding_names(model: Any) -> list[str]:
+    out = []
+    for getter in (model.get_input_embeddings, model.get_output_embeddings):
+        module = getter()
+        for name, m in model.named_modules():
+            if m is module:
+                out.append(name.rsplit(".", 1)[-1])
+                break
+    return out
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable(model: torch.nn.Module, state: dict[str, torch.Tensor], where: Path) -> None:
+    want = {n for n, p in model.named_parameters() if p.requires_grad}
+    if set(state) != want:
+        missing, unexpected = sorted(want - set(state))[:3], sorted(set(state) - want)[:3]
+        raise UserError(
+            f"{where}: the checkpoint's trainable weights do not match this job's adapter "
+            f"(missing {missing}, unexpected {unexpected}); "
+            "keep model.adapter and model.lora equal to resume, or use a new run.name"
+        )
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for n, t in state.items():
+            params[n].copy_(t)
+
+
+def export(model: Any, out: Path, tokenizer: Any, cfg: JobConfig, source_dir: Path) -> None:
+    """`out/adapter/`: a PEFT adapter folder (+ tokenizer). With lora.merge_on_export,
+    also `out/model_merged/`: the full-precision base with the adapter merged in, built
+    from a fresh copy of the base so training is not disturbed."""
+    adapter_dir = out / ADAPTER_DIR
+    model.save_pretrained(str(adapter_dir))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(adapter_dir))
+    if not cfg.model.lora.merge_on_export:
+        return
+    from peft import PeftModel
+
+    from trainer.model.loading import load_model
+
+    base = load_model(source_dir, cfg, len(tokenizer), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    merged.save_pretrained(str(out / MERGED_DIR), safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out / MERGED_DIR))

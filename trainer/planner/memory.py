@@ -1,0 +1,468 @@
+"""The job as memory sees it: per-rank GPU memory (weights, gradients, optimizer state,
+activations) and per-node host memory, each term written out with its source in the docs
+page "Planning memory and cost".
+
+Sizes are bytes unless a name says otherwise. M = all parameters, P = trainable
+parameters, N = ranks (workers), K = ranks on one node, T = tokens per micro batch
+(micro_batch_size × block_size), c = bytes of the compute dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from trainer.config import DeepSpeedOptions, FSDPOptions, JobConfig
+from trainer.errors import UserError
+from trainer.planner.shape import (
+    CPU_RANK_OVERHEAD,
+    GPU_OVERHEAD,
+    HOST_PER_GPU_PROCESS,
+    QLORA_BYTES_PER_PARAM,
+    ModelShape,
+    ShapeUnavailable,
+    short_count,
+)
+
+# ---------------------------------------------------------------- the job, as memory sees it
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The job's memory-relevant choices, flattened out of the config once."""
+
+    strategy: Literal["ddp", "fsdp", "zero2", "zero3"]
+    adapter: Literal["none", "lora", "qlora"] = "none"
+    gpu: bool = True
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    optimizer: Literal["adamw", "adamw8bit"] = "adamw"
+    world: int = 1
+    micro_batch: int = 1
+    block_size: int = 1024
+    checkpointing: bool = False
+    eager_attention: bool = False
+    lora_r: int = 8
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    merge_on_export: bool = False
+    fsdp_reshard: bool = True
+    fsdp_cpu_offload: bool = False
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    microbatches: int = 1
+    """Pipeline microbatches each micro batch is cut into (FSDP with pp > 1)."""
+    grad_accum: int = 1
+    offload_optimizer: str = "none"  # DeepSpeed: none | cpu | nvme
+    offload_param: str = "none"
+
+    @classmethod
+    def from_config(cls, cfg: JobConfig) -> Setup:
+        s = cfg.strategy
+        kw: dict[str, Any] = {}
+        name = s.name
+        if isinstance(s, FSDPOptions):
+            kw = {
+                "fsdp_reshard": s.reshard_after_forward,
+                "fsdp_cpu_offload": s.cpu_offload,
+                "tp": s.tp,
+                "pp": s.pp,
+                "pp_schedule": s.pp_schedule,
+                "microbatches": s.n_microbatches,
+            }
+        elif isinstance(s, DeepSpeedOptions):
+            from trainer.strategies.deepspeed import config as dsconfig
+
+            path = dsconfig.config_path(s.config)
+            if not path.is_file():
+                raise ShapeUnavailable(f"strategy.config {path}: not readable here")
+            raw, _ = dsconfig.load(s.config)
+            zero = raw.get("zero_optimization", {})
+            name = f"zero{int(zero.get('stage', 0))}"
+            if name not in ("zero2", "zero3"):
+                raise UserError("strategy.config: zero_optimization.stage must be 2 or 3")
+            kw = {
+                "offload_optimizer": str(zero.get("offload_optimizer", {}).get("device", "none")),
+                "offload_param": str(zero.get("offload_param", {}).get("device", "none")),
+            }
+        ckpt = cfg.model.gradient_checkpointing or bool(
+            isinstance(s, FSDPOptions) and s.activation_checkpointing
+        )
+        return cls(
+            strategy=name,  # type: ignore[arg-type]
+            adapter=cfg.model.adapter,
+            gpu=cfg.scaling.use_gpu,
+            precision=cfg.train.precision,
+            optimizer=cfg.optim.name,
+            world=cfg.scaling.num_workers,
+            micro_batch=cfg.train.micro_batch_size,
+            block_size=cfg.data.block_size,
+            checkpointing=ckpt,
+            eager_attention=cfg.model.attn_implementation == "eager",
+            lora_r=cfg.model.lora.r,
+            lora_targets=tuple(cfg.model.lora.target_modules),
+            merge_on_export=cfg.model.lora.merge_on_export,
+            grad_accum=cfg.train.grad_accum,
+            **kw,
+        )
+
+    @property
+    def c(self) -> int:
+        """Bytes of the compute dtype (CPU ranks always train in fp32)."""
+        return 2 if self.gpu and self.precision != "fp32" else 4
+
+    @property
+    def mixed(self) -> bool:
+        return self.c == 2
+
+    @property
+    def optim_bytes(self) -> int:
+        """Adam state per trainable parameter: two fp32 moments, or two 8-bit ones.
+        DeepSpeed builds torch AdamW (or its own CPU Adam) whatever optim.name says."""
+        if self.optimizer == "adamw8bit" and self.strategy in ("ddp", "fsdp"):
+            return 2
+        return 8
+
+    @property
+    def offloaded(self) -> bool:
+        return self.fsdp_cpu_offload or "cpu" in (self.offload_optimizer, self.offload_param)
+
+
+@dataclass
+class RankMemory:
+    """One rank's device memory (GPU, or host RAM for a CPU rank), by what holds it."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    overhead: float
+    activations_no_ckpt: float
+    activations_ckpt: float
+    checkpointing: bool
+    gradients_held: float = 0.0
+    """The part of `gradients` that stays allocated through the whole step (DDP's bucket
+    buffers, DeepSpeed's gradient partitions and reduce buckets)."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        """The peak. Backward frees each layer's saved activations as it fills that layer's
+        gradients (which are freed again after the optimizer step), so the two do not peak
+        together: the larger of them counts, on top of what is held all step. Measured on
+        CPU (tests/bench/test_bench_planner.py) this is within a few percent, where the
+        plain sum over-predicted every case by 17-28%."""
+        transient = max(self.gradients - self.gradients_held, self.activations)
+        return self.weights + self.optimizer + self.overhead + self.gradients_held + transient
+
+
+@dataclass
+class HostMemory:
+    """Host RAM one rank adds to its node, at load time and while training."""
+
+    offload: float
+    load: float
+    process: float
+    export: float
+    """Only on rank 0's node: the full model consolidated on CPU to write the export."""
+    staging: float = 0.0
+    """Every rank: the host-memory copy of its resume state that a checkpoint stages
+    while the background thread writes it (trainer.checkpoint.staging): FSDP's shard, ZeRO's
+    optimizer partition."""
+    staging_rank0: float = 0.0
+    """Rank 0 only: the same for DDP and adapters, whose rank 0 writes the whole state,
+    and ZeRO-2's module weights."""
+
+
+def activation_bytes(shape: ModelShape, s: Setup, checkpointing: bool) -> float:
+    """Saved activations of one micro batch, plus the logits/loss buffers.
+
+    Per token and decoder layer (Llama layout, SDPA attention, no dropout):
+      c·(2h + 2·q_dim + 2·kv_dim + 4·I)   inputs of q/k/v and of gate/up; q, k, v and the
+                                          attention output; gate, up, silu(gate), product
+      + 2·(4 + r)·h                       two RMSNorms: fp32 upcast + normalised output
+      + heads·s·(4 + c) with eager attention (fp32 softmax probabilities + their cast)
+    where r is the residual stream's bytes (4 where weights are fp32 under autocast).
+    With activation checkpointing a layer keeps only its input (r·h per token) and one
+    layer's full set is rebuilt at a time in backward. The head keeps the final norm,
+    and the logits: c (lm_head output) + 4 (log_softmax output) + 4 + 4 (its gradient and
+    the logits' gradient in fp32) bytes per vocabulary entry and token.
+    """
+    h, c = shape.hidden, s.c
+    t = s.micro_batch * s.block_size
+    r = _residual_bytes(s)
+    inputs, product = 2 * h, shape.intermediate
+    if s.adapter != "none":
+        # A frozen linear's backward needs only its weight: its input is kept only where
+        # a LoRA adapter on it trains (q/k/v share one input, gate/up another, down's is
+        # the gate·up product).
+        targets = set(s.lora_targets)
+        inputs = h * (
+            bool(targets & {"q_proj", "k_proj", "v_proj"})
+            + bool(targets & {"gate_proj", "up_proj"})
+        )
+        product = shape.intermediate if "down_proj" in targets else 0
+    per_layer = c * (inputs + 2 * shape.q_dim + 2 * shape.kv_dim + 3 * shape.intermediate + product)
+    per_layer += 2 * (4 + r) * h
+    if s.eager_attention:
+        per_layer += shape.heads * s.block_size * (4 + c)
+    head = (4 + r) * h + r * h + (c + 12) * shape.vocab
+    layers = shape.layers * r * h + per_layer if checkpointing else shape.layers * per_layer
+    return float(t * (layers + head))
+
+
+def _residual_bytes(s: Setup) -> int:
+    if not s.gpu:
+        return 4
+    if s.strategy == "ddp" and s.adapter in ("none", "qlora"):
+        return 4  # fp32 master weights under autocast (qlora: fp32 embeddings and norms)
+    return s.c
+
+
+def rank_memory(shape: ModelShape, s: Setup) -> RankMemory:
+    m, n, c, o = shape.params, s.world, s.c, s.optim_bytes
+    notes: list[str] = []
+    held = 0.0
+    if s.adapter != "none":
+        w, g, opt, notes = _adapter_memory(shape, s)
+        held = g / 2 if s.world > 1 else 0.0  # DDP's buckets for the adapter gradients
+    elif s.strategy == "ddp":
+        w = 4.0 * m
+        if s.mixed:
+            w += c * (shape.layers * shape.layer_linear_params + shape.embedding_params)
+            notes.append("weights include autocast's compute-dtype copies of the matmul weights")
+        g = 4.0 * m * (2 if n > 1 else 1)
+        held = 4.0 * m if n > 1 else 0.0
+        if n > 1:
+            notes.append("gradients include DDP's bucket buffers (same size as the gradients)")
+        opt = float(o * m)
+    elif s.strategy == "fsdp" and s.tp * s.pp > 1:
+        w, g, opt, notes = _model_parallel_memory(shape, s)
+    elif s.strategy == "fsdp":
+        p = c
+        live = shape.params if not s.fsdp_reshard else 2 * shape.layer_params
+        gathered = p * (shape.root_params + live)
+        shards = 0.0 if s.fsdp_cpu_offload else 1.0
+        w = shards * 4 * m / n + gathered
+        g = shards * 4 * m / n + p * (shape.root_params + shape.layer_params)
+        opt = shards * o * m / n
+        notes.append("weights include the gathered root and two decoder layers in flight")
+    else:  # DeepSpeed ZeRO-2 / ZeRO-3
+        bucket = 2 * c * shape.hidden**2  # reduce buckets (hidden², double-buffered)
+        master = 4 if s.mixed else 0
+        on_gpu_opt = 0.0 if s.offload_optimizer != "none" else 1.0
+        if s.strategy == "zero2":
+            w = float(c * m)
+        else:
+            biggest = max(shape.layer_params, shape.embedding_params)
+            on_gpu_param = 0.0 if s.offload_param != "none" else 1.0
+            w = on_gpu_param * c * m / n + c * 2 * biggest
+            notes.append("weights include the two largest modules gathered (current, prefetch)")
+        g = on_gpu_opt * c * m / n + bucket
+        held = g  # DeepSpeed allocates its partitions and buckets once, for the whole run
+        opt = on_gpu_opt * (master + o) * m / n
+    act_full = _stage_activations(shape, s, False)
+    act_ckpt = _stage_activations(shape, s, True)
+    overhead = GPU_OVERHEAD if s.gpu else CPU_RANK_OVERHEAD
+    return RankMemory(
+        weights=w,
+        gradients=g,
+        optimizer=opt,
+        activations=act_ckpt if s.checkpointing else act_full,
+        overhead=overhead,
+        activations_no_ckpt=act_full,
+        activations_ckpt=act_ckpt,
+        checkpointing=s.checkpointing,
+        gradients_held=held,
+        notes=[
+            *notes,
+            "total: gradients fill as backward frees the activations, so the larger counts",
+        ],
+    )
+
+
+def _rank_params(shape: ModelShape, s: Setup) -> tuple[float, float, float]:
+    """(parameters one rank's model-parallel share holds before dp sharding, of which in
+    one decoder layer, of which outside the layers). TP splits the decoder matrices over
+    tp; embeddings, norms and lm_head stay whole (replicated over tp). PP gives each rank
+    layers / pp layers, and the worst rank one of the embedding and the LM head."""
+    layer = shape.layer_params / s.tp
+    root = shape.root_params if s.pp == 1 else shape.root_params / 2
+    return shape.layers / s.pp * layer + root, layer, root
+
+
+def _model_parallel_memory(shape: ModelShape, s: Setup) -> tuple[float, float, float, list[str]]:
+    """FSDP2 over dp of a (pp, tp) model-parallel share. Under pp the stage's weights stay
+    gathered through the step (every microbatch in flight uses them) and its gradients
+    accumulate unsharded until the last microbatch's backward."""
+    c, o = s.c, s.optim_bytes
+    share, layer, root = _rank_params(shape, s)
+    dp = max(1, s.world // (s.tp * s.pp))
+    live = share if (s.pp > 1 or not s.fsdp_reshard) else root + 2 * layer
+    weights = 4 * share / dp + c * live
+    grads = 4 * share / dp + (c * share if s.pp > 1 else c * (root + layer))
+    notes = [
+        f"(dp {dp}, pp {s.pp}, tp {s.tp}): this rank holds {short_count(int(share))} parameters "
+        f"before sharding over dp"
+    ]
+    return weights, grads, float(o * share / dp), notes
+
+
+def _in_flight(s: Setup) -> float:
+    """Microbatches whose activations a pipeline rank holds at its peak: all of them for
+    GPipe, up to pp for 1F1B and ZB-V, and for interleaved 1F1B (v = 2 stages per rank)
+    Megatron's pp · (1 + (pp - 1) / (pp · v))."""
+    m, pp = s.microbatches, s.pp
+    if s.pp_schedule == "gpipe":
+        return float(m)
+    if s.pp_schedule == "interleaved_1f1b":
+        return min(m, pp) * (1 + (pp - 1) / (pp * 2))
+    return float(min(m, pp))
+
+
+def _stage_activations(shape: ModelShape, s: Setup, checkpointing: bool) -> float:
+    """Activations of one rank: `activation_bytes` with the local heads and MLP width
+    under tp (the layer inputs and norms stay whole: no sequence parallelism), and under
+    pp the stage's layers for every microbatch in flight, the logits for one (for all
+    under GPipe)."""
+    if s.strategy != "fsdp" or s.tp * s.pp == 1:
+        return activation_bytes(shape, s, checkpointing)
+    local = replace(
+        shape,
+        heads=max(1, shape.heads // s.tp),
+        kv_heads=max(1, shape.kv_heads // s.tp),
+        intermediate=shape.intermediate // s.tp,
+        head_dim=shape.hd,
+        layers=max(1, shape.layers // s.pp),
+    )
+    if s.pp == 1:
+        return activation_bytes(local, s, checkpointing)
+    mb = replace(s, micro_batch=max(1, s.micro_batch // s.microbatches))
+    head = activation_bytes(replace(local, layers=0), mb, False)
+    layers = activation_bytes(local, mb, checkpointing) - head
+    heads_held = s.microbatches if s.pp_schedule == "gpipe" else 1
+    return _in_flight(s) * layers + heads_held * head
+
+
+def communication(shape: ModelShape, s: Setup) -> dict[str, float]:
+    """Bytes one rank sends per optimizer step, by mesh dim (ring collectives: an
+    all-gather or reduce-scatter of B bytes sends B·(n-1)/n, an all-reduce twice that).
+
+    - dp: FSDP all-gathers the rank's share of weights each micro step (again in backward
+      when it reshards after forward; not under pp) and reduce-scatters fp32 gradients
+      once; DDP all-reduces fp32 gradients.
+    - tp: two all-reduces of the hidden state per decoder layer in forward, two in
+      backward, for every token of the micro batch.
+    - pp: the hidden state forward and its gradient back across each stage boundary this
+      rank owns, per token.
+    With ranks laid out (dp, pp, tp), tp groups are consecutive ranks (inside a node when
+    tp <= GPUs per node); dp traffic crosses nodes as soon as there is more than one."""
+    c, a = s.c, s.grad_accum
+    tokens = s.micro_batch * s.block_size
+    if s.strategy == "ddp" or s.adapter != "none":
+        n = s.world
+        return {"dp": 2 * 4.0 * shape.params * (n - 1) / n, "tp": 0.0, "pp": 0.0}
+    if s.strategy != "fsdp":
+        return {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+    share, _, _ = _rank_params(shape, s)
+    dp = max(1, s.world // (s.tp * s.pp))
+    gathers = 1 if (s.pp > 1 or not s.fsdp_reshard) else 2
+    dp_bytes = (a * gathers * c * share + 4 * share) * (dp - 1) / dp
+    tp_bytes = a * (shape.layers / s.pp) * 4 * tokens * shape.hidden * c * 2 * (s.tp - 1) / s.tp
+    stages = 2 if s.pp_schedule in ("interleaved_1f1b", "zbv") else 1
+    pp_bytes = a * 2 * stages * tokens * shape.hidden * c if s.pp > 1 else 0.0
+    return {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_bytes}
+
+
+def _adapter_memory(shape: ModelShape, s: Setup) -> tuple[float, float, float, list[str]]:
+    """Frozen base + trainable adapters (replicated: adapters compose with DDP)."""
+    m, c = shape.params, s.c
+    lora = shape.lora_params(s.lora_r, list(s.lora_targets))
+    if s.adapter == "qlora":
+        quantized = shape.layers * shape.layer_linear_params
+        base = QLORA_BYTES_PER_PARAM * quantized + 4.0 * (m - quantized)
+        # bitsandbytes dequantizes one weight at a time to the compute dtype for its matmul.
+        base += c * max(a * b for a, b in shape.linear_shapes().values())
+        notes = [
+            "4-bit nf4 linears with double quantization; embeddings, lm_head and norms in "
+            "fp32 (prepare_model_for_kbit_training)"
+        ]
+    else:
+        base = float(c * m)
+        notes = ["frozen base in the compute dtype"]
+    weights = base + 4.0 * lora
+    grads = 4.0 * lora * (2 if s.world > 1 else 1)
+    return weights, grads, float(s.optim_bytes * lora), notes
+
+
+def host_memory(shape: ModelShape, s: Setup, rank: RankMemory) -> HostMemory:
+    """Host RAM per rank. A CPU rank's whole footprint is host RAM."""
+    m, n, c, o = shape.params, s.world, s.c, s.optim_bytes
+    staged = _staging_bytes(shape, s)
+    if not s.gpu:
+        return HostMemory(
+            offload=0.0,
+            load=0.0,
+            process=rank.total,
+            export=_export_bytes(shape, s),
+            **staged,
+        )
+    offload = 0.0
+    if s.adapter == "none" and s.strategy == "fsdp" and s.fsdp_cpu_offload:
+        offload = (4 + 4 + o) * m / n  # fp32 param shards, fp32 grad shards, Adam state
+    elif s.adapter == "none" and s.strategy in ("zero2", "zero3"):
+        master = 4 if s.mixed else 0
+        if s.offload_optimizer == "cpu":
+            offload += (master + o + 4) * m / n  # master, Adam moments, fp32 grad partition
+        if s.strategy == "zero3" and s.offload_param == "cpu":
+            offload += c * m / n  # the compute-dtype parameter partition
+    # Loading: DDP and ZeRO-2 build the whole model in host RAM on every rank, then move it.
+    if s.adapter == "lora":
+        load = float(c * m)
+    elif s.adapter == "qlora":
+        load = 0.0  # quantized shard by shard onto the GPU
+    elif s.strategy in ("ddp", "zero2"):
+        load = 4.0 * m
+    else:
+        load = 0.0  # FSDP: meta skeleton + mmapped shards; ZeRO-3: partitioned init
+    return HostMemory(
+        offload=offload,
+        load=load,
+        process=HOST_PER_GPU_PROCESS,
+        export=_export_bytes(shape, s),
+        **staged,
+    )
+
+
+def _staging_bytes(shape: ModelShape, s: Setup) -> dict[str, float]:
+    """The staging copy of one checkpoint (trainer.checkpoint.staging): fp32 trainable weights and
+    their optimizer state, in host RAM until the background write is done. FSDP stages
+    each rank's shard (DCP async_save); DDP and adapters stage on rank 0 only; ZeRO-2/3
+    stage each rank's optimizer partition (fp32 master + moments: what DeepSpeed's
+    save_checkpoint hands its checkpoint engine), and under ZeRO-2 rank 0 also the module
+    state dict in the compute dtype (ZeRO-3 saves placeholders there)."""
+    if s.adapter != "none":
+        lora = shape.lora_params(s.lora_r, list(s.lora_targets))
+        return {"staging_rank0": float((4 + s.optim_bytes) * lora)}
+    if s.strategy == "ddp":
+        return {"staging_rank0": float((4 + s.optim_bytes) * shape.params)}
+    if s.strategy == "fsdp":
+        share, _, _ = _rank_params(shape, s)
+        dp = max(s.world // (s.tp * s.pp), 1)
+        return {"staging": float((4 + s.optim_bytes) * share / dp)}
+    partition = {"staging": float((4 + s.optim_bytes) * shape.params / s.world)}
+    if s.strategy == "zero2":
+        return {**partition, "staging_rank0": float(s.c * shape.params)}
+    return partition
+
+
+def _export_bytes(shape: ModelShape, s: Setup) -> float:
+    """Rank 0 consolidates the export in host RAM: the full fp32 model (FSDP's gathered
+    state dict, DDP's safetensors serialisation), the 16-bit gather under DeepSpeed, or
+    only the adapter (plus a fresh fp32 base and its serialisation when merging)."""
+    m = shape.params
+    if s.adapter != "none":
+        extra = 8.0 * m if s.merge_on_export else 0.0
+        return 4.0 * shape.lora_params(s.lora_r, list(s.lora_targets)) + extra
+    if s.strategy in ("zero2", "zero3"):
+        return float(s.c * m)
+    return 4.0 * m

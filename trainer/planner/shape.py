@@ -1,0 +1,209 @@
+"""The planner's stated constants and the model's shape (layers, widths, parameters), read
+from a model folder's config.json or a reference size.
+
+Sizes are bytes unless a name says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from trainer.config import JobConfig
+from trainer.errors import UserError
+
+GIB = 1024**3
+
+# ---------------------------------------------------------------- stated constants
+GPU_OVERHEAD = 1.5 * GIB
+"""Per GPU rank, outside the model: CUDA context (~0.5 GiB), cuBLAS workspaces and NCCL
+buffers (~0.5 GiB), caching-allocator fragmentation (~0.5 GiB)."""
+CPU_RANK_OVERHEAD = 1.0 * GIB
+"""Per CPU rank: the Python process with torch, transformers and a Ray worker loaded."""
+HOST_PER_GPU_PROCESS = 3.0 * GIB
+"""Host RAM of one GPU worker process (CUDA user-space libraries, torch, Ray worker)."""
+HOST_NODE_RESERVE = 4.0 * GIB
+"""Host RAM per node for the OS, raylet, the object store's working set and page cache."""
+TIGHT = 0.90
+"""A need above 90% of a capacity is 'tight'; above 100% it 'does not fit'."""
+QLORA_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+"""nf4 (4 bits) + double-quantized absmax: an 8-bit constant per 64-weight block and an
+fp32 constant per 256 such blocks (QLoRA paper, sec. 3: 0.127 bits/param)."""
+DEFAULT_MFU = 0.35
+OFFLOAD_MFU = 0.15
+"""Assumed model-FLOPs utilisation. 0.15 with CPU offload is what the Ray Llama-2 template's
+reference run gets: 7B, ZeRO-3 + offload, 16×A10G, 3.5M tokens in ~14 min."""
+
+Verdict = Literal["fits", "tight", "does not fit"]
+
+
+class ShapeUnavailable(UserError):
+    """An input the plan needs (the model's config.json, a DeepSpeed JSON) cannot be read
+    from here; submit then skips the plan instead of refusing."""
+
+
+_ORDER: dict[str, int] = {"fits": 0, "tight": 1, "does not fit": 2}
+
+
+# ---------------------------------------------------------------- model shape
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a Llama/Mistral/Qwen-style decoder that memory depends on."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+    head_dim: int | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    params_override: int | None = None
+    """An explicit parameter count (the shape is then only used for activations)."""
+
+    @classmethod
+    def from_hf_config(cls, conf: dict[str, Any], where: str = "config.json") -> ModelShape:
+        text = conf.get("text_config")
+        if isinstance(text, dict) and "hidden_size" not in conf:
+            conf = text
+        try:
+            heads = int(conf["num_attention_heads"])
+            model_type = str(conf.get("model_type", ""))
+            return cls(
+                hidden=int(conf["hidden_size"]),
+                layers=int(conf["num_hidden_layers"]),
+                heads=heads,
+                kv_heads=int(conf.get("num_key_value_heads") or heads),
+                intermediate=int(conf["intermediate_size"]),
+                vocab=int(conf["vocab_size"]),
+                tied=bool(conf.get("tie_word_embeddings", False)),
+                head_dim=int(conf["head_dim"]) if conf.get("head_dim") else None,
+                # Qwen2 always has q/k/v biases; Llama/Mistral say so in attention_bias.
+                qkv_bias=bool(conf.get("attention_bias", model_type.startswith("qwen2"))),
+                o_bias=bool(conf.get("attention_bias", False)),
+                mlp_bias=bool(conf.get("mlp_bias", False)),
+            )
+        except KeyError as exc:
+            raise UserError(
+                f"{where}: no {exc.args[0]}; the planner reads Llama/Mistral/Qwen-style "
+                "configs (pass a parameter count with --params for others)"
+            ) from None
+
+    @classmethod
+    def from_params(cls, params: int) -> ModelShape:
+        """A Llama-2-family shape for a bare parameter count: the published shape nearest
+        in size, carrying the given count. Activations then follow that shape."""
+        best = min(_REFERENCE_SHAPES, key=lambda s: abs(math.log(s.params / params)))
+        return ModelShape(**{**asdict(best), "params_override": int(params)})
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.hd
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.hd
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear in one decoder layer, by its module name."""
+        h, i = self.hidden, self.intermediate
+        return {
+            "q_proj": (h, self.q_dim),
+            "k_proj": (h, self.kv_dim),
+            "v_proj": (h, self.kv_dim),
+            "o_proj": (self.q_dim, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    @property
+    def layer_linear_params(self) -> int:
+        return sum(a * b for a, b in self.linear_shapes().values())
+
+    @property
+    def layer_params(self) -> int:
+        bias = (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + self.hidden * self.o_bias
+        bias += (2 * self.intermediate + self.hidden) * self.mlp_bias
+        return self.layer_linear_params + bias + 2 * self.hidden  # + two RMSNorm weights
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        """Exact for these decoders: embeddings + L layers + final norm + lm_head."""
+        if self.params_override is not None:
+            return self.params_override
+        head = 0 if self.tied else self.embedding_params
+        return self.embedding_params + self.layers * self.layer_params + self.hidden + head
+
+    @property
+    def root_params(self) -> int:
+        """What is not in a decoder layer: embeddings, final norm, lm_head."""
+        return max(self.params - self.layers * self.layer_params, 0)
+
+    def lora_params(self, r: int, targets: list[str]) -> int:
+        shapes = self.linear_shapes()
+        return self.layers * sum(r * (a + b) for n, (a, b) in shapes.items() if n in targets)
+
+
+_REFERENCE_SHAPES = (
+    ModelShape(2048, 22, 32, 4, 5632, 32000),  # TinyLlama-1.1B
+    ModelShape(4096, 32, 32, 32, 11008, 32000),  # Llama-2-7B
+    ModelShape(5120, 40, 40, 40, 13824, 32000),  # Llama-2-13B
+    ModelShape(8192, 80, 64, 8, 28672, 32000),  # Llama-2-70B
+)
+
+
+def shape_for_job(cfg: JobConfig, read_text: Any = None) -> ModelShape:
+    """The model's shape from its config.json (a local folder, or through `read_text` for
+    s3://), with the vocabulary grown by the job's special tokens when they are readable."""
+    src = cfg.model.path.rstrip("/") + "/config.json"
+    if cfg.model.path.startswith("s3://"):
+        if read_text is None:
+            raise ShapeUnavailable(f"{src}: not readable here; pass --params to plan without it")
+        text = read_text(src)
+    else:
+        path = Path(src).expanduser()
+        if not path.is_file():
+            raise ShapeUnavailable(f"{path}: not found; pass --params to plan without it")
+        text = path.read_text()
+    try:
+        shape = ModelShape.from_hf_config(json.loads(text), src)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{src}:{exc.lineno}: not valid JSON") from None
+    extra = _special_token_count(cfg.model.special_tokens)
+    if extra:
+        # An upper bound: tokens the tokenizer already has do not grow the vocabulary.
+        shape = ModelShape(**{**asdict(shape), "vocab": shape.vocab + extra})
+    return shape
+
+
+def _special_token_count(path: str | None) -> int:
+    if not path or "://" in path or not Path(path).expanduser().is_file():
+        return 0
+    try:
+        data = json.loads(Path(path).expanduser().read_text())
+    except (OSError, json.JSONDecodeError):
+        return 0
+    tokens = data.get("tokens", []) if isinstance(data, dict) else data
+    return len(tokens) if isinstance(tokens, list) else 0
+
+
+def short_count(n: int) -> str:
+    """A parameter count as people say it: 6.74B, 107.0M."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"

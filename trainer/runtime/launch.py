@@ -1,0 +1,305 @@
+"""The driver: preflight, tokenize once, then start the workers (Ray Train or torchrun).
+
+This runs where `python -m trainer run` runs: the Ray job's entrypoint on the head node,
+or every torchrun process. Everything that can fail on user input fails here, before a
+worker group is created.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from trainer import preflight
+from trainer.config import JobConfig
+from trainer.data.tokenize import Settings, prepare, read_chat_template
+from trainer.errors import UserError
+from trainer.loop import Prepared
+from trainer.runtime.worker import run_location
+
+log = logging.getLogger("trainer.runtime.launch")
+
+
+def prepare_inputs(cfg: JobConfig, progress: bool = True) -> Prepared:
+    """Resolve model/tokenizer folders (downloading S3 ones to this node) and tokenize the
+    data into caches next to it, which every worker then memory-maps."""
+    from trainer.data.tokenize import TokenizerFiles
+    from trainer.model.loading import local_tokenizer_dir
+
+    tokenizer = TokenizerFiles(local_tokenizer_dir(cfg), cfg.model.special_tokens)
+    settings = data_settings(cfg)
+    common = dict(cache_root=cfg.data.cache_dir, progress=progress, settings=settings)
+    if _tokenize_on_cluster(cfg):
+        from trainer.data.cluster import tokenize_on_cluster
+
+        common["tokenize_shards"] = tokenize_on_cluster
+    # One cache per source, keyed by that source's own inputs: adding a source to a mix
+    # does not tokenize the others again.
+    train = [prepare(src.path, tokenizer, **common) for src in cfg.data.sources("train")]
+    evals = [prepare(src.path, tokenizer, **common) for src in cfg.data.sources("eval")]
+    # A mix draws blocks of each source as often as its weight says, so one block is
+    # enough there; a single source must fill a global batch.
+    need = cfg.global_batch if len(train) == 1 else 1
+    for src, cache in zip(cfg.data.sources("train"), train, strict=True):
+        blocks = cache.meta["num_tokens"] // cfg.data.block_size
+        if blocks < need:
+            raise UserError(
+                f"data.train_file {src.path}: {blocks} blocks of {cfg.data.block_size} tokens "
+                f"are fewer than {need}; add data or lower the batch/block size"
+            )
+    return Prepared(
+        train_cache=str(train[0].dir),
+        eval_cache=str(evals[0].dir) if evals else None,
+        train_caches=[str(c.dir) for c in train],
+        eval_caches=[str(c.dir) for c in evals],
+    )
+
+
+def _tokenize_on_cluster(cfg: JobConfig) -> bool:
+    """Ray Data on the cluster's CPUs for a corpus of several files (one task per file);
+    one process here for a single file, and always under torchrun (no Ray there)."""
+    from trainer.runtime.worker import is_torchrun_env
+
+    mode = cfg.data.tokenize_on
+    if mode == "driver" or is_torchrun_env():
+        return False
+    if mode == "cluster":
+        return True
+    import glob
+
+    specs = [src.path for w in ("train", "eval") for src in cfg.data.sources(w)]
+    many = any(
+        s.startswith("s3://") or Path(s).is_dir() or len(glob.glob(s)) > 1 for s in specs if s
+    )
+    return many and bool(os.environ.get("RAY_ADDRESS"))
+
+
+def data_settings(cfg: JobConfig) -> Settings:
+    d = cfg.data
+    return Settings(
+        append_eos=d.append_eos,
+        on_bad_line=d.on_bad_line,
+        loss_on=d.loss_on,
+        chat_template=read_chat_template(d.chat_template),
+        long_rows=d.long_rows,
+        block_size=d.block_size,
+        endpoint=cfg.storage.endpoint_override,
+        region=cfg.storage.region,
+    )
+
+
+def _rank0_selector(cfg: JobConfig) -> list[dict[str, str]] | None:
+    """Per-worker label selectors that put rank 0 on a labelled node, only if the cluster
+    has such a node alive; otherwise no constraint (a local or small cluster still runs)."""
+    want = cfg.scaling.rank0_label
+    if not want:
+        return None
+    import ray
+
+    for node in ray.nodes():
+        labels = node.get("Labels") or {}
+        if node.get("Alive") and all(labels.get(k) == v for k, v in want.items()):
+            log.info("rank 0 → node %s (labels %s)", node.get("NodeManagerAddress"), want)
+            return [dict(want)] + [{} for _ in range(cfg.scaling.max_workers - 1)]
+    log.info("no node labelled %s; rank 0 placed freely", want)
+    return None
+
+
+def _connect_ray() -> None:
+    import ray
+
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        if not address:
+            raise UserError(
+                "no Ray cluster: submit with tools/submit.py (which sets RAY_ADDRESS), "
+                "or run under torchrun"
+            )
+        ray.init(address=address, log_to_driver=True)
+
+
+def check_nodes(cfg: JobConfig, report: preflight.Report, torchrun: bool) -> None:
+    """What the config needs of the worker nodes themselves (a DeepSpeed NVMe offload's
+    folder and async I/O op), probed on those nodes before tokenizing or launching."""
+    if not report.deepspeed:
+        return
+    from trainer.strategies.deepspeed import config as dsconfig
+    from trainer.strategies.deepspeed import nodes as dsnodes
+
+    paths = dsconfig.nvme_paths(report.deepspeed)
+    if not paths:
+        return
+    source = str(dsconfig.config_path(cfg.strategy.config))  # type: ignore[union-attr]
+    if torchrun:
+        dsnodes.check_here(paths, source)
+    else:
+        _connect_ray()
+        dsnodes.check_ray_nodes(paths, source, cfg.scaling.use_gpu)
+
+
+def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from trainer.loop import ray_worker
+
+    _connect_ray()
+    from trainer.resilience.callbacks import FailureJournal
+    from trainer.storage.retry import retrying
+
+    run = run_location(cfg)
+    resources = dict(cfg.scaling.resources_per_worker or {})
+    scaling = ScalingConfig(
+        num_workers=cfg.scaling.num_workers,
+        use_gpu=cfg.scaling.use_gpu,
+        resources_per_worker=resources or None,
+        label_selector=_rank0_selector(cfg),
+        elastic_resize_monitor_interval_s=cfg.scaling.elastic_resize_interval_s,
+    )
+    storage_root = run.path.rsplit("/", 1)[0]
+    run_config = RunConfig(
+        name=cfg.run.name,
+        storage_path=storage_root,
+        # On S3, Ray's own writes (its checkpoint registry) retry storage blips too.
+        storage_filesystem=retrying(run.fs, cfg.checkpoint.upload_retry_s) if run.is_s3 else run.fs,
+        failure_config=FailureConfig(
+            max_failures=cfg.run.max_failures,
+            max_preemption_failures=cfg.run.max_preemptions,
+        ),
+        checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
+        worker_runtime_env={"env_vars": _worker_env()},
+        callbacks=[
+            FailureJournal(
+                cfg.storage.path, cfg.storage.endpoint_override, cfg.storage.region, cfg.run.name
+            )
+        ],
+    )
+    trainer = TorchTrainer(
+        ray_worker,
+        train_loop_config={"job": cfg.model_dump(mode="json"), "prepared": asdict(prep)},
+        scaling_config=scaling,
+        run_config=run_config,
+        torch_config=torch_config(cfg),
+    )
+    from trainer.resilience.journal import Journal
+
+    Journal(run, f"driver-{int(time.time() * 1000)}").add(
+        "driver", submission=os.environ.get("RAY_JOB_SUBMISSION_ID")
+    )
+    result = trainer.fit()
+    summary = {
+        "run": cfg.run.name,
+        "storage": run.uri,
+        "metrics": dict(result.metrics or {}),
+        "checkpoint": _uri(run, result.checkpoint.path) if result.checkpoint else None,
+        "export": _export_uri(run),
+        "metrics_file": run.join("metrics.jsonl").uri,
+    }
+    _write_summary(run, summary)
+    return summary
+
+
+def _export_uri(run: Any) -> str | None:
+    from trainer.checkpoint.manager import latest_export
+
+    loc = latest_export(run)
+    return loc.uri if loc is not None else None
+
+
+def torch_config(cfg: JobConfig) -> Any:
+    """Ray Train's process-group setup; oneCCL needs its bindings imported and its
+    environment set on every worker before init_process_group (trainer.runtime.ccl)."""
+    from ray.train.torch import TorchConfig
+
+    if cfg.backend == "ccl":
+        from trainer.runtime.ccl import OneCCLConfig
+
+        return OneCCLConfig()
+    return TorchConfig(backend=cfg.backend)
+
+
+def _uri(run: Any, path: str) -> str:
+    return "s3://" + path if run.is_s3 else path
+
+
+def _worker_env() -> dict[str, str]:
+    keep = (
+        "RAYLIFT_DEBUG",
+        "RAYLIFT_MODEL_CACHE",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_REGION",
+        "AWS_DEFAULT_REGION",
+        "AWS_EC2_METADATA_DISABLED",
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "DS_ACCELERATOR",
+        "TORCH_EXTENSIONS_DIR",
+        "RAYLIFT_FAULT_UPLOAD_PAUSE_S",
+        "RAYLIFT_FAULT_KILL_AFTER_STEP",
+        "RAYLIFT_FAULT_HOLD",
+    )
+    return {k: os.environ[k] for k in keep if k in os.environ}
+
+
+def launch_torchrun(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
+    from trainer.checkpoint.manager import find_latest
+    from trainer.loop import torchrun_worker
+
+    last = torchrun_worker(cfg, prep)
+    run = run_location(cfg)
+    latest = find_latest(run, allow_scratch=True)
+    summary = {
+        "run": cfg.run.name,
+        "storage": run.uri,
+        "metrics": last,
+        "checkpoint": latest.uri if latest else None,
+        "export": _export_uri(run),
+        "metrics_file": run.join("metrics.jsonl").uri,
+    }
+    if int(os.environ.get("RANK", 0)) == 0:
+        _write_summary(run, summary)
+    return summary
+
+
+def _write_summary(run: Any, summary: dict[str, Any]) -> None:
+    loc = run.join("summary.json")
+    run.fs.create_dir(run.path, recursive=True)
+    with loc.fs.open_output_stream(loc.path) as f:
+        f.write(json.dumps(summary, indent=2, default=str).encode())
+
+
+def run_job(cfg: JobConfig) -> dict[str, Any]:
+    from trainer.runtime.worker import is_torchrun_env
+
+    torchrun = is_torchrun_env()
+    rank = int(os.environ.get("RANK", 0)) if torchrun else 0
+    report = preflight.run_all(cfg, strict=True)
+    for note in report.notes:
+        log.info("preflight: %s", note)
+    check_nodes(cfg, report, torchrun)
+    if torchrun and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        # One process tokenizes; the others wait for its cache instead of racing it.
+        prep = _prepare_rank0_first(cfg, rank)
+        return launch_torchrun(cfg, prep)
+    prep = prepare_inputs(cfg)
+    return launch_torchrun(cfg, prep) if torchrun else launch_ray(cfg, prep)
+
+
+def _prepare_rank0_first(cfg: JobConfig, rank: int) -> Prepared:
+    import torch.distributed as dist
+
+    from trainer.runtime.worker import init_process_group
+
+    init_process_group(cfg.backend, minutes=60)
+    if rank == 0:
+        prep = prepare_inputs(cfg)
+    dist.barrier()
+    if rank != 0:
+        prep = prepare_inputs(cfg, progress=False)
+    return prep

@@ -1,0 +1,2 @@
+"""Where things live: local folders, shared filesystems and S3 behind one addressing
+function, with transient errors retried."""

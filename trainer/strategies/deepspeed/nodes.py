@@ -1,0 +1,90 @@
+"""What a DeepSpeed NVMe offload needs of the worker nodes, checked on each of them before
+any worker starts: the `nvme_path` exists and is writable there, and DeepSpeed's async
+I/O op can run (it needs libaio, which the trainer images do not carry). The Ray
+template's 70B file offloads the optimizer to `/mnt/local_storage/zero`; on a node
+without that folder, or without libaio, DeepSpeed fails only once every worker has
+loaded its share of the model. Here it fails in one line at submission.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from typing import Any
+
+from trainer.errors import ConfigError
+
+
+def local_problem(paths: dict[str, str]) -> str | None:
+    """Why NVMe offload to `paths` ({json key: folder}) cannot run on this node; None if it
+    can. Paths first (the common mistake), then the op."""
+    for key, path in paths.items():
+        if not os.path.isdir(path):
+            return (
+                f"{key} {path} does not exist; create it on every worker node (a local NVMe "
+                "mount), or set the offload device to cpu"
+            )
+        try:
+            with tempfile.NamedTemporaryFile(dir=path, prefix=".raylift-probe-"):
+                pass
+        except OSError as exc:
+            return (
+                f"{key} {path} is not writable ({exc.strerror}); make it writable by the "
+                "worker's user, or set the offload device to cpu"
+            )
+    if not async_io_available():
+        return (
+            "DeepSpeed's async_io op cannot run here (libaio is missing: the trainer images "
+            "do not carry it); set the offload device to cpu, or use an image with "
+            "libaio-dev installed"
+        )
+    return None
+
+
+def async_io_available() -> bool:
+    """DeepSpeed's own compatibility probe for its NVMe op (libaio headers and library)."""
+    import torch
+
+    from trainer.strategies.deepspeed.engine import prepare_environment
+
+    prepare_environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    builder = AsyncIOBuilder()
+    return bool(builder is not None and builder.is_compatible(verbose=False))
+
+
+def check_ray_nodes(paths: dict[str, str], source: str, use_gpu: bool) -> None:
+    """Run `local_problem` on every alive node that can host a worker (one with GPUs when
+    the job uses them); raise ConfigError naming the first node and the problem."""
+    if not paths:
+        return
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    probe = ray.remote(num_cpus=0)(_probe)
+    want = "GPU" if use_gpu else "CPU"
+    refs = [
+        probe.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+        ).remote(paths)
+        for node in ray.nodes()
+        if node.get("Alive") and (node.get("Resources") or {}).get(want, 0) > 0
+    ]
+    for host, problem in ray.get(refs):
+        if problem:
+            raise ConfigError(f"{source}: on node {host}: {problem}")
+
+
+def check_here(paths: dict[str, str], source: str) -> None:
+    """The torchrun form: every process runs the preflight on its own node."""
+    problem = local_problem(paths) if paths else None
+    if problem:
+        raise ConfigError(f"{source}: on node {socket.gethostname()}: {problem}")
+
+
+def _probe(paths: dict[str, str]) -> tuple[Any, str | None]:
+    import ray
+
+    return ray.util.get_node_ip_address(), local_problem(paths)
