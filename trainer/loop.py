@@ -11,11 +11,8 @@ import gc
 import json
 import logging
 import math
-import os
 import random
 import shutil
-import signal
-import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -39,10 +36,9 @@ from trainer.checkpoint.manager import (
 from trainer.checkpoint.upload import upload_dir
 from trainer.config import JobConfig
 from trainer.data import packing
-from trainer.data.blocks import BatchPlan, PackedBlocks, StepBatches, eval_indices
-from trainer.data.mixing import MixedBatches, MixPlan
-from trainer.data.tokenize import IGNORE, TokenCache
-from trainer.errors import UserError
+from trainer.data.blocks import PackedBlocks, eval_indices
+from trainer.data.feed import TrainFeed, open_eval_sets, open_feed
+from trainer.data.tokenize import IGNORE
 from trainer.model.loading import (
     check_device,
     count_params,
@@ -50,42 +46,32 @@ from trainer.model.loading import (
     local_model_dir,
     local_tokenizer_dir,
 )
-from trainer.observability.metrics import MetricsFile, lineage, mfu, peak_flops, read_records
+from trainer.observability.metrics import MetricsFile, lineage, peak_flops, read_records
+from trainer.observability.steps import StepReport
 from trainer.observability.tracking import trackers
 from trainer.observability.tracking.trackers import open_tracker
 from trainer.observability.workerstats import WorkerStats
 from trainer.resilience import faults
 from trainer.resilience import journal as journal_mod
+from trainer.resilience.preemption import PreemptionWatch
 from trainer.runtime.worker import RayRuntime, Runtime, TorchrunRuntime
 from trainer.strategies.base import ModelSource, Strategy, build_strategy
 
 log = logging.getLogger("trainer")
-
-REPORT_EVERY_S = 5.0
-"""Seconds between metric-only ray.train.report calls; every step still goes to the
-metrics file and the log, and every checkpoint is reported at once."""
-
-PREEMPTION_CHECK_S = 1.0
-"""Seconds between asks for a preemption notice. Ray Train's get_preemption_info() is a
-barrier through its synchronization actor (two actor calls per rank), too dear for every
-step; Ray itself polls for node drains every 5 s, and a spot notice gives two minutes."""
 
 
 @dataclass
 class Prepared:
     """What the driver computed before starting workers; passed to every worker."""
 
-    train_cache: str
-    eval_cache: str | None
-    # Every source's cache, in data.train_file / eval_file order (one source: [train_cache]).
-    train_caches: list[str] = field(default_factory=list)
+    train_caches: list[str]
+    """Every source's token cache, in data.train_file / eval_file order."""
     eval_caches: list[str] = field(default_factory=list)
 
-    def train_list(self) -> list[str]:
-        return self.train_caches or [self.train_cache]
-
-    def eval_list(self) -> list[str]:
-        return self.eval_caches or ([self.eval_cache] if self.eval_cache else [])
+    @property
+    def train_cache(self) -> str:
+        """The first (or only) training source's cache."""
+        return self.train_caches[0]
 
 
 def seed_all(seed: int) -> None:
@@ -199,16 +185,6 @@ def _eval_sums(
     return loss_sum, count
 
 
-def attention_mode(cfg: JobConfig, train_meta: dict[str, Any]) -> str:
-    """`data.attention` resolved for this corpus: auto is document attention for chat and
-    prompt/completion rows, causal for plain text and under pipeline parallelism (whose
-    stages build their own causal mask; the config refuses an explicit document there)."""
-    setting = cfg.data.attention
-    if setting == "auto" and getattr(cfg.strategy, "pp", 1) > 1:
-        return "causal"
-    return packing.resolve(setting, int(train_meta.get("chat_documents", 0)))
-
-
 def _attention(segs: list[np.ndarray], cfg: JobConfig, device: torch.device) -> dict[str, Any]:
     """The model's attention arguments for a batch's segments (none: causal)."""
     if not segs:
@@ -218,65 +194,122 @@ def _attention(segs: list[np.ndarray], cfg: JobConfig, device: torch.device) -> 
 
 
 def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
+    """Load; then for each step the batch, forward and backward, the optimizer step, and
+    the components that decide their own cadence: the preemption check, the step report
+    (with evaluation), checkpoint and export, the fault drills."""
     device = check_device(cfg, rt.local_rank)
     seed_all(cfg.train.seed)
     staging.set_background_priority(cfg.checkpoint.background_nice, cfg.checkpoint.background_idle)
     # Local and shared-FS folders are used in place; S3 ones are fetched once per node.
-    model_src = local_model_dir(cfg)
     tokenizer = load_tokenizer(local_tokenizer_dir(cfg), cfg.model.special_tokens)
     strategy = build_strategy(cfg, device, rt.rank, rt.world_size)
-    strategy.setup(ModelSource(model_src, len(tokenizer)))
-    n_params = count_params(strategy.model)
-
-    for cache in prep.train_list() + prep.eval_list():
-        if cache and not (Path(cache) / "manifest.json").exists():
-            raise UserError(
-                f"tokenized data {cache} is not visible on worker node {socket.gethostname()}: "
-                "put the data on the shared FS (EFS), mounted at the same path on every node"
-            )
-    train_caches = [TokenCache(Path(c)) for c in prep.train_list()]
-    chats = sum(int(c.meta.get("chat_documents", 0)) for c in train_caches)
-    attention = attention_mode(cfg, {"chat_documents": chats})
-    documents = attention == "document"
-    sources = [PackedBlocks(c, cfg.data.block_size, documents) for c in train_caches]
-    train_blocks = sources[0]
-    names = [s.name or "data" for s in cfg.data.sources("train")]
-    # The global batch is fixed by the config; on fewer workers (an elastic run that lost
-    # a node) each accumulates more micro steps, and the global sample order is unchanged.
-    # Workers of one model-parallel group (tp × pp) read the same batches: one replica.
-    replica, replicas = cfg.data_rank(rt.rank, rt.world_size)
-    plan: BatchPlan | MixPlan
-    if len(sources) == 1:
-        plan = BatchPlan(
-            len(train_blocks),
-            cfg.train.micro_batch_size,
-            cfg.grad_accum_for(rt.world_size),
-            replicas,
-            cfg.train.seed,
-        )
-    else:
-        plan = MixPlan(
-            [len(b) for b in sources],
-            [s.weight for s in cfg.data.sources("train")],
-            cfg.train.micro_batch_size,
-            cfg.grad_accum_for(rt.world_size),
-            replicas,
-            cfg.train.seed,
-        )
-    if plan.steps_per_epoch < 1:
-        raise UserError(
-            f"{cfg.data.train_file}: {sum(len(b) for b in sources)} blocks of "
-            f"{cfg.data.block_size} tokens are fewer than one global batch ({plan.global_batch})"
-        )
-    steps = total_steps(cfg, plan.steps_per_epoch)
+    strategy.setup(ModelSource(local_model_dir(cfg), len(tokenizer)))
+    feed = open_feed(cfg, prep.train_caches, prep.eval_caches, rt.rank, rt.world_size)
+    steps = total_steps(cfg, feed.steps_per_epoch)
+    end = steps if cfg.train.stop_at_step is None else min(steps, cfg.train.stop_at_step)
     scheduler = build_scheduler(cfg, strategy.optimizer, steps)
-    eval_sets = {
-        s.name or "data": PackedBlocks(TokenCache(Path(c)), cfg.data.block_size, documents)
-        for s, c in zip(cfg.data.sources("eval"), prep.eval_list(), strict=True)
-    }
-
     ts = TrainState()
-    manager = CheckpointManager(
+    manager = _checkpoint_manager(cfg, rt, strategy, scheduler, ts)
+    start, report = _resume(cfg, rt, manager, strategy, feed, ts, steps, end, device)
+    evaluation = Evaluation(
+        cfg, rt, strategy, device, open_eval_sets(cfg, prep.eval_caches, feed.attention)
+    )
+    preemption = PreemptionWatch(rt, enabled=not cfg.train.as_test)
+    publish = Publish(cfg, rt, strategy, tokenizer, manager, report)
+    stats = report.stats
+    strategy.model.train()
+    for step in range(start, end):
+        started = time.perf_counter()
+        with stats.phase("data"):
+            micro = feed.micro_batches(step)
+            per_rank, (asked,) = _targets_per_rank(micro, device, rt.world_size, [preemption.ask()])
+        with stats.phase("fwd_bwd"):
+            loss = _forward_backward(strategy, micro, per_rank, cfg, device)
+        with stats.phase("optim"):
+            lr = scheduler.get_last_lr()[0]
+            grad_norm = strategy.step()
+            scheduler.step()
+        stats.step_done()
+        done = ts.step = step + 1
+        ts.tokens_seen += cfg.tokens_per_step
+        report.count(cfg.tokens_per_step)
+
+        is_last = done == end
+        preemption.check(asked, done)
+        emergency = preemption.emergency(is_last)
+        save = manager.due(done, end) or emergency
+        export = manager.export_due(done, end, final=end == steps)
+        if not report.due(done, is_last, save) and not export:
+            continue
+
+        def extra(done: int = done, is_last: bool = is_last) -> dict[str, Any]:
+            out = feed.source_tokens(done)
+            if evaluation.due(done, is_last):
+                with stats.phase("eval"):
+                    out.update(evaluation.run())
+            out.update(stats.gather())  # collective: per-worker memory and step phases
+            return out
+
+        metrics = report.report(step, float(loss), lr, grad_norm, started, ts.tokens_seen, extra)
+        stalled = time.perf_counter()  # export, checkpoint and report: the checkpoint stall
+        saving = publish.after_step(step, metrics, export, save, emergency, is_last)
+        stats.timer.add("ckpt", time.perf_counter() - stalled)
+        faults.kill_after_step(
+            rt.rank, rt.world_size, done, report.first_attempt, report.flush, rt.barrier
+        )
+        faults.hold(done, "train", rt.rank)
+        if emergency:
+            preemption.ride_out(done, saving)
+        report.restart_window()
+    _finish(cfg, rt, strategy, feed, report, device, start, end, steps)
+    return report.last
+
+
+def _forward_backward(
+    strategy: Strategy,
+    micro: list[tuple[Any, ...]],
+    per_rank: torch.Tensor,
+    cfg: JobConfig,
+    device: torch.device,
+) -> torch.Tensor:
+    """Every micro batch of the step, gradients accumulated; the summed loss."""
+    loss_acc = torch.zeros((), device=device)
+    for m, (ids, labels, *segs) in enumerate(micro):
+        x = torch.from_numpy(ids).to(device, non_blocking=True)
+        y = torch.from_numpy(labels).to(device, non_blocking=True)
+        extra = _attention(segs, cfg, device)
+        with strategy.accumulating(m == len(micro) - 1):
+            loss_acc += strategy.train_micro(x, y, per_rank, **extra)
+    return loss_acc
+
+
+class Evaluation:
+    """eval_loss every train.eval_every steps and at the last step, when there are eval sets."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        rt: Runtime,
+        strategy: Strategy,
+        device: torch.device,
+        sets: dict[str, PackedBlocks],
+    ):
+        self.cfg, self.rt, self.strategy, self.device, self.sets = cfg, rt, strategy, device, sets
+
+    def due(self, done: int, is_last: bool) -> bool:
+        every = self.cfg.train.eval_every
+        return bool(self.sets) and (is_last or bool(every and done % every == 0))
+
+    def run(self) -> dict[str, float]:
+        return evaluate_all(self.strategy, self.sets, self.cfg, self.rt, self.device)
+
+
+def _checkpoint_manager(
+    cfg: JobConfig, rt: Runtime, strategy: Strategy, scheduler: Any, ts: TrainState
+) -> CheckpointManager:
+    """The run's checkpoints: the strategy's state, the scheduler and RNG, and the train
+    state, saved every checkpoint.every_steps (never in a smoke test)."""
+    return CheckpointManager(
         Identity(
             strategy=strategy.name,
             layout=strategy.layout,
@@ -298,6 +331,21 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         export_every=cfg.checkpoint.export_every,
         enabled=not cfg.train.as_test,
     )
+
+
+def _resume(
+    cfg: JobConfig,
+    rt: Runtime,
+    manager: CheckpointManager,
+    strategy: Strategy,
+    feed: TrainFeed,
+    ts: TrainState,
+    steps: int,
+    end: int,
+    device: torch.device,
+) -> tuple[int, StepReport]:
+    """Restore the newest complete checkpoint (torn ones after it are discarded), open this
+    attempt's metrics file, journal and trackers, and say what this attempt will train."""
     resume_dir = rt.latest_checkpoint()
     if resume_dir is not None:
         manager.restore(resume_dir)
@@ -324,7 +372,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     )
     if tracker.names:
         tracker.events(journal_mod.read(rt.run))
-    end = steps if cfg.train.stop_at_step is None else min(steps, cfg.train.stop_at_step)
+    n_params = count_params(strategy.model)
     if rt.rank == 0:
         log.info(
             "training %s: %d params, steps %d→%d of %d, global batch %d × %d tokens, "
@@ -334,192 +382,112 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
             start,
             end,
             steps,
-            plan.global_batch,
+            feed.global_batch,
             cfg.data.block_size,
             rt.world_size,
             strategy.name,
             cfg.model.adapter,
-            attention,
+            feed.attention,
         )
-
     peak = peak_flops(
         torch.cuda.get_device_name(device) if device.type == "cuda" else None, cfg.train.precision
     )
-    batches: StepBatches | MixedBatches
-    if isinstance(plan, MixPlan):
-        batches = MixedBatches(sources, plan, replica)
-    else:
-        batches = StepBatches(train_blocks, plan, replica)
-    last: dict[str, Any] = {}
-    strategy.model.train()
-    window_start, window_tokens = time.perf_counter(), 0
-    last_report = last_preemption_check = time.monotonic()
-    preempted: dict[str, Any] | None = None
-    for step in range(start, end):
-        t0 = time.perf_counter()
-        # Rank 0's clock decides when every rank asks Ray for a preemption notice.
-        ask = rt.rank == 0 and time.monotonic() - last_preemption_check >= PREEMPTION_CHECK_S
-        with stats.phase("data"):
-            micro = batches.micro_batches(step)
-            per_rank, (ask_preemption,) = _targets_per_rank(
-                micro, device, rt.world_size, [float(ask)]
-            )
-        loss_acc = torch.zeros((), device=device)
-        with stats.phase("fwd_bwd"):
-            for m, (ids, labels, *segs) in enumerate(micro):
-                x = torch.from_numpy(ids).to(device, non_blocking=True)
-                y = torch.from_numpy(labels).to(device, non_blocking=True)
-                extra = _attention(segs, cfg, device)
-                with strategy.accumulating(m == len(micro) - 1):
-                    loss_acc += strategy.train_micro(x, y, per_rank, **extra)
-        with stats.phase("optim"):
-            lr = scheduler.get_last_lr()[0]
-            grad_norm = strategy.step()
-            scheduler.step()
-        stats.step_done()
-        done = step + 1
-        ts.step = done
-        ts.tokens_seen += cfg.tokens_per_step
-        window_tokens += cfg.tokens_per_step
+    report = StepReport(
+        rt=rt,
+        log_every=cfg.train.log_every,
+        steps=steps,
+        steps_per_epoch=feed.steps_per_epoch,
+        n_params=n_params,
+        peak=peak,
+        all_reduce=functools.partial(_all_reduce_sum, device=device, world=rt.world_size),
+        metrics_file=metrics_file,
+        tracker=tracker,
+        stats=stats,
+    )
+    return start, report
 
-        is_last = done == end
-        # A spot notice (a node drain seen by Ray) checkpoints at once; Ray restarts the
-        # group off the node after it, so the steps since the last checkpoint are kept.
-        if preempted is None and not cfg.train.as_test and ask_preemption > 0:
-            last_preemption_check = time.monotonic()
-            preempted = rt.preemption()
-            if preempted is not None and rt.rank == 0:
-                log.warning(
-                    "step %d: node preemption notice (ranks %s, %s s left): checkpointing now",
-                    done,
-                    preempted["ranks"],
-                    "?" if preempted["deadline_s"] is None else f"{preempted['deadline_s']:.0f}",
-                )
-        emergency = preempted is not None and not is_last
-        save = manager.due(done, end) or emergency
-        export = manager.export_due(done, end, final=end == steps)
-        log_now = done % cfg.train.log_every == 0 or is_last or save
-        if not log_now and not export:
-            continue
-        # One all-reduce carries the loss, rank 0's "time to report to Ray" flag and each
-        # rank's count of checkpoint uploads still running, so all ranks agree on when to
-        # call ray.train.report (a barrier that waits for the controller's poll: per-step
-        # calls would cost ~2 s each in Ray 2.60). Ray hands reports to its controller in
-        # order, so a metrics report made while an async upload runs waits for that upload:
-        # during a storage outage it would stop training until storage came back. Metrics
-        # are reported once no rank has an upload running (the checkpoint's own report
-        # carries its metrics meanwhile).
-        due = float(rt.rank == 0 and time.monotonic() - last_report >= REPORT_EVERY_S)
-        loss_sum, due, uploading = _all_reduce_sum(
-            [float(loss_acc), due, float(rt.uploads_in_flight())], device, rt.world_size
-        )
-        due = float(due > 0 and uploading == 0)
-        loss_val = loss_sum / rt.world_size
-        now = time.perf_counter()
-        tps = window_tokens / max(now - window_start, 1e-9)
-        window_start, window_tokens = now, 0
-        metrics: dict[str, Any] = {
-            "step": done,
-            "time": time.time(),
-            "epoch": step // plan.steps_per_epoch,
-            "loss": loss_val,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": tps,
-            "step_time_s": now - t0,
-            "tokens_seen": ts.tokens_seen,
-            "mfu": mfu(n_params, tps / rt.world_size, peak),
-        }
-        if isinstance(plan, MixPlan):
-            seen = plan.counts_before(done) * cfg.data.block_size
-            metrics.update({f"tokens_seen/{n}": int(t) for n, t in zip(names, seen, strict=True)})
-        if eval_sets and (is_last or (cfg.train.eval_every and done % cfg.train.eval_every == 0)):
-            with stats.phase("eval"):
-                metrics.update(evaluate_all(strategy, eval_sets, cfg, rt, device))
-        metrics.update(stats.gather())  # collective: per-worker memory and step phases
-        last = metrics
-        if metrics_file is not None:
-            metrics_file.write({"event": "train", "attempt": metrics_file.attempt, **metrics})
-        tracker.metrics(metrics)
-        if rt.rank == 0:
-            log.info(
-                "step %d/%d loss %.4f lr %.3g tokens/s %.0f mfu %s%s",
-                done,
-                steps,
-                loss_val,
-                lr,
-                tps,
-                "n/a" if metrics["mfu"] is None else f"{metrics['mfu']:.1%}",
-                f" eval_loss {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else "",
-            )
-        stalled = time.perf_counter()  # export, checkpoint and report: the checkpoint stall
+
+class Publish:
+    """What a reported step hands out, each when due: the user's export, the checkpoint,
+    and the report to Ray (which owns the checkpoint folder once reported)."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        rt: Runtime,
+        strategy: Strategy,
+        tokenizer: Any,
+        manager: CheckpointManager,
+        report: StepReport,
+    ):
+        self.cfg, self.rt, self.strategy, self.tokenizer = cfg, rt, strategy, tokenizer
+        self.manager, self.report = manager, report
+
+    def after_step(
+        self,
+        step: int,
+        metrics: dict[str, Any],
+        export: bool,
+        save: bool,
+        emergency: bool,
+        is_last: bool,
+    ) -> float:
+        """Returns when the checkpoint's save started (the emergency checkpoint's account)."""
+        rt, report, done = self.rt, self.report, step + 1
         if export:
-            _export(rt, strategy, tokenizer, done)
-            tracker.tag(
+            _export(rt, self.strategy, self.tokenizer, done)
+            report.tracker.tag(
                 "raylift.export", rt.run.join(ckpt_mod.EXPORT_DIR, ckpt_mod.dir_name(done)).uri
             )
         ckpt_dir = None
+        saving = time.monotonic()
         if save:
-            saving = time.monotonic()
-            ckpt_dir = manager.save(
+            ckpt_dir = self.manager.save(
                 {
-                    "epoch": step // plan.steps_per_epoch,
-                    "seed": cfg.train.seed,
+                    "epoch": step // report.steps_per_epoch,
+                    "seed": self.cfg.train.seed,
                     "rank0_node_labels": rt.node_labels,
                     "metrics": {k: v for k, v in metrics.items() if v is not None},
                 }
             )
             rt.note_save(done, time.monotonic() - saving)
-            if rt.rank == 0 and metrics_file is not None:
-                metrics_file.flush()
-            tracker.flush()
+            report.flush()
+            report.tracker.flush()
         kind = "emergency" if emergency else ("final" if is_last else "periodic")
         owned = False
         try:
-            if ckpt_dir is not None or due or is_last:
+            if ckpt_dir is not None or report.ray_due or is_last:
                 owned = rt.report(metrics, done, ckpt_dir, kind)
-                last_report = time.monotonic()
+                report.reported_to_ray()
         finally:
             if ckpt_dir is not None and not owned:
                 shutil.rmtree(ckpt_dir, ignore_errors=True)
-        stats.timer.add("ckpt", time.perf_counter() - stalled)
-        _drill_kill(rt, done, metrics_file, device)
-        faults.hold(done, "train", rt.rank)
-        if emergency:
-            assert preempted is not None
-            took = time.monotonic() - saving
-            left = preempted["deadline_s"]
-            if rt.rank == 0:
-                log.warning(
-                    "emergency checkpoint of step %d saved in %.1f s%s",
-                    done,
-                    took,
-                    "" if left is None else f" of the {left:.0f} s left before the reclaim",
-                )
-                if rt.journal is not None:
-                    rt.journal.add(
-                        "preemption",
-                        step=done,
-                        ranks=preempted["ranks"],
-                        deadline_s=left,
-                        save_s=round(took, 3),
-                        margin_s=None if left is None else round(left - took, 3),
-                    )
-            rt.wait_out_preemption(None if left is None else left - took)
-        # Throughput is training throughput: eval and checkpoint time are not in the window.
-        window_start = time.perf_counter()
-    if rt.rank == 0 and metrics_file is not None:
-        metrics_file.flush()
+        return saving
+
+
+def _finish(
+    cfg: JobConfig,
+    rt: Runtime,
+    strategy: Strategy,
+    feed: TrainFeed,
+    report: StepReport,
+    device: torch.device,
+    start: int,
+    end: int,
+    steps: int,
+) -> None:
+    """The last metrics written, the final probe (a run that trained to its end), the
+    journal's last word and the trackers closed."""
+    report.flush()
     if not cfg.train.as_test and end == steps and start < end:
-        _write_probe(rt, strategy, train_blocks, device)
+        _write_probe(rt, strategy, feed.first, device)
     rt.finish()
     if rt.journal is not None:
         rt.journal.add("finished" if end == steps else "stopped", step=end)
-    if tracker.names:
-        tracker.events(journal_mod.read(rt.run))
-        tracker.close("finished" if end == steps else "stopped")
+    if report.tracker.names:
+        report.tracker.events(journal_mod.read(rt.run))
+        report.tracker.close("finished" if end == steps else "stopped")
     rt.release_fetched()
-    return last
 
 
 def _ray_gauges(cfg: JobConfig, rt: Runtime) -> Any:
@@ -533,32 +501,6 @@ def _ray_gauges(cfg: JobConfig, rt: Runtime) -> Any:
     except Exception as exc:  # metrics must never stop training
         log.warning("Ray metrics not exported: %s", exc)
         return None
-
-
-def _drill_kill(rt: Runtime, done: int, metrics_file: Any, device: torch.device) -> None:
-    """Fault drill: with RAYLIFT_FAULT_KILL_AFTER_STEP=N, the first attempt's last rank
-    SIGKILLs itself once every rank has finished step N (its checkpoint reported, when N
-    is a checkpoint step), as a spot reclaim or an OOM kill would. Ray restarts the group
-    from the newest complete checkpoint (with checkpoint.upload: sync, N's own when N is
-    a checkpoint step); between checkpoints the steps since then are trained again, which
-    lets a test compare them with the first attempt's. The metrics are flushed first, so
-    that comparison has both. N must be a logged step (train.log_every)."""
-    at = os.environ.get("RAYLIFT_FAULT_KILL_AFTER_STEP", "")
-    if not at or int(at) != done:
-        return
-    first = rt.rank == 0 and metrics_file is not None and metrics_file.attempt == 1
-    if rt.rank == 0 and metrics_file is not None:
-        metrics_file.flush()
-    # Rank 0 knows which attempt this is; every rank must agree on whether to stop.
-    (first_attempt,) = _all_reduce_sum([float(first)], device, rt.world_size)
-    if not first_attempt:
-        return
-    if rt.rank == rt.world_size - 1:
-        log.warning("RAYLIFT_FAULT_KILL_AFTER_STEP: killing rank %d after step %d", rt.rank, done)
-        for handler in logging.getLogger().handlers + log.handlers:
-            handler.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-    rt.barrier()  # the others wait here for the collective that fails
 
 
 def _export(rt: Runtime, strategy: Strategy, tokenizer: Any, step: int) -> None:

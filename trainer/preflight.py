@@ -8,12 +8,12 @@ pyarrow for S3.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.config import JobConfig
 from trainer.errors import ConfigError, UserError
+from trainer.model import hfconfig
 
 SAMPLE_LINES = 1000
 
@@ -39,7 +39,7 @@ def _local_or_note(path: str, what: str, strict: bool, report: Report) -> Path |
 
 
 def check_model(cfg: JobConfig, strict: bool, report: Report) -> None:
-    src = cfg.model.path.rstrip("/") + "/config.json"
+    src = hfconfig.config_uri(cfg.model.path)
     if cfg.model.path.startswith("s3://"):
         from trainer.storage.location import read_text
 
@@ -53,10 +53,7 @@ def check_model(cfg: JobConfig, strict: bool, report: Report) -> None:
                 f"model.path {d}: no config.json (expected a Hugging Face model folder)"
             )
         text = (d / "config.json").read_text()
-    try:
-        mcfg = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{src}:{exc.lineno}: not valid JSON") from None
+    mcfg = hfconfig.parse(text, src)
     limit = mcfg.get("max_position_embeddings")
     report.max_positions = limit
     hidden = mcfg.get("hidden_size")

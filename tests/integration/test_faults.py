@@ -29,8 +29,8 @@ from tests.integration.test_ray_train import _train_workers, history, launch
 from tools import submit
 from trainer.checkpoint import manager as ckpt_mod
 from trainer.config import load_config
-from trainer.loop import REPORT_EVERY_S
 from trainer.observability.metrics import read_records
+from trainer.observability.steps import REPORT_EVERY_S
 from trainer.resilience import journal
 from trainer.storage.location import download_dir, resolve
 

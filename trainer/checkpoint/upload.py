@@ -15,6 +15,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from trainer.resilience import faults
 from trainer.storage.location import Location, _short
 from trainer.storage.retry import UploadError, transient_retries
 
@@ -179,14 +180,14 @@ def upload_checkpoint(
     # Fault injection for the test suite and for chaos drills on a real cluster: hold the
     # upload between the data files and the manifests, the window a kill or a storage
     # outage must not turn into a checkpoint that looks complete.
-    pause = float(os.environ.get("RAYLIFT_FAULT_UPLOAD_PAUSE_S", "0") or 0)
+    pause = faults.upload_pause_s()
 
     def once() -> None:
         data = [p for p in ordered if p.relative_to(src).parts[0] != "done"]
         manifests = ordered[len(data) :]
         put_tree([(f, f.relative_to(src).as_posix()) for f in data], loc)
         if pause:
-            log.warning("RAYLIFT_FAULT_UPLOAD_PAUSE_S: pausing %.1f s", pause)
+            log.warning("%s: pausing %.1f s", faults.UPLOAD_PAUSE_ENV, pause)
             time.sleep(pause)
         if before_manifests is not None:
             before_manifests()

@@ -17,6 +17,7 @@ import torch
 
 from trainer.config import JobConfig
 from trainer.errors import UserError
+from trainer.model.loading import DTYPES, load_model
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +34,7 @@ def base_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
     worth having there, and fp32 keeps CPU runs comparable with full fine-tuning)."""
     if device.type != "cuda":
         return torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
-        cfg.train.precision
-    ]
+    return DTYPES[cfg.train.precision]
 
 
 def quantization(cfg: JobConfig, device: torch.device) -> Any:
@@ -149,8 +148,6 @@ def export(model: Any, out: Path, tokenizer: Any, cfg: JobConfig, source_dir: Pa
     if not cfg.model.lora.merge_on_export:
         return
     from peft import PeftModel
-
-    from trainer.model.loading import load_model
 
     base = load_model(source_dir, cfg, len(tokenizer), dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()

@@ -81,10 +81,8 @@ def check_device(cfg: JobConfig, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def compute_dtype(cfg: JobConfig) -> torch.dtype:
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
-        cfg.train.precision
-    ]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""train.precision's names as torch dtypes."""
 
 
 def _new_rows(n: int, dim: int, std: float, seed: int, salt: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from trainer.config import JobConfig
 from trainer.errors import UserError
+from trainer.model import hfconfig
 
 GIB = 1024**3
 
@@ -172,7 +173,7 @@ _REFERENCE_SHAPES = (
 def shape_for_job(cfg: JobConfig, read_text: Any = None) -> ModelShape:
     """The model's shape from its config.json (a local folder, or through `read_text` for
     s3://), with the vocabulary grown by the job's special tokens when they are readable."""
-    src = cfg.model.path.rstrip("/") + "/config.json"
+    src = hfconfig.config_uri(cfg.model.path)
     if cfg.model.path.startswith("s3://"):
         if read_text is None:
             raise ShapeUnavailable(f"{src}: not readable here; pass --params to plan without it")
@@ -182,10 +183,7 @@ def shape_for_job(cfg: JobConfig, read_text: Any = None) -> ModelShape:
         if not path.is_file():
             raise ShapeUnavailable(f"{path}: not found; pass --params to plan without it")
         text = path.read_text()
-    try:
-        shape = ModelShape.from_hf_config(json.loads(text), src)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{src}:{exc.lineno}: not valid JSON") from None
+    shape = ModelShape.from_hf_config(hfconfig.parse(text, src), src)
     extra = _special_token_count(cfg.model.special_tokens)
     if extra:
         # An upper bound: tokens the tokenizer already has do not grow the vocabulary.

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -29,6 +31,13 @@ HOLD_UPLOAD_ENV = "RAYLIFT_FAULT_HOLD_UPLOAD"
 """STEP:PATH, the same form: holds only step STEP's upload, before its manifests, until
 PATH exists; training goes on meanwhile (a background upload). The holder touches
 PATH.upload.r<RANK>."""
+UPLOAD_PAUSE_ENV = "RAYLIFT_FAULT_UPLOAD_PAUSE_S"
+"""Seconds every checkpoint upload pauses between its data files and its manifests, the
+window a kill or a storage outage must not turn into a checkpoint that looks complete."""
+KILL_AFTER_STEP_ENV = "RAYLIFT_FAULT_KILL_AFTER_STEP"
+"""N: the first attempt's last rank SIGKILLs itself once every rank has finished step N."""
+WORKER_ENV = (UPLOAD_PAUSE_ENV, KILL_AFTER_STEP_ENV, HOLD_ENV)
+"""The drills a Ray job's driver passes on to its workers."""
 HOLD_LIMIT_S = 900.0
 """A held run goes on by itself after this long, so a test that dies never leaves a job
 hanging on the cluster."""
@@ -63,3 +72,38 @@ def hold(step: int, what: str, rank: int, env: str = HOLD_ENV) -> None:
 def hold_write(step: int, rank: int) -> None:
     """RAYLIFT_FAULT_HOLD_WRITE: hold the background write of `step`'s checkpoint."""
     hold(step, "write", rank, HOLD_WRITE_ENV)
+
+
+def upload_pause_s() -> float:
+    """RAYLIFT_FAULT_UPLOAD_PAUSE_S, 0 when unset."""
+    return float(os.environ.get(UPLOAD_PAUSE_ENV, "0") or 0)
+
+
+def kill_after_step(
+    rank: int,
+    world_size: int,
+    done: int,
+    first_attempt: Callable[[], bool],
+    flush: Callable[[], None],
+    barrier: Callable[[], None],
+) -> None:
+    """RAYLIFT_FAULT_KILL_AFTER_STEP=N: the first attempt's last rank SIGKILLs itself once
+    every rank has finished step N (its checkpoint reported, when N is a checkpoint step),
+    as a spot reclaim or an OOM kill would. Ray restarts the group from the newest complete
+    checkpoint (with checkpoint.upload: sync, N's own when N is a checkpoint step); between
+    checkpoints the steps since then are trained again, which lets a test compare them with
+    the first attempt's. `flush` writes the metrics first, so that comparison has both;
+    `first_attempt` and `barrier` are collective (rank 0 knows the attempt, every rank must
+    agree). N must be a logged step (train.log_every)."""
+    at = os.environ.get(KILL_AFTER_STEP_ENV, "")
+    if not at or int(at) != done:
+        return
+    flush()
+    if not first_attempt():
+        return
+    if rank == world_size - 1:
+        log.warning("%s: killing rank %d after step %d", KILL_AFTER_STEP_ENV, rank, done)
+        for handler in logging.getLogger().handlers + logging.getLogger("trainer").handlers:
+            handler.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    barrier()  # the others wait here for the collective that fails

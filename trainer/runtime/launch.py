@@ -20,6 +20,7 @@ from trainer.config import JobConfig
 from trainer.data.tokenize import Settings, prepare, read_chat_template
 from trainer.errors import UserError
 from trainer.loop import Prepared
+from trainer.resilience import faults
 from trainer.runtime.worker import run_location
 
 log = logging.getLogger("trainer.runtime.launch")
@@ -53,8 +54,6 @@ def prepare_inputs(cfg: JobConfig, progress: bool = True) -> Prepared:
                 f"are fewer than {need}; add data or lower the batch/block size"
             )
     return Prepared(
-        train_cache=str(train[0].dir),
-        eval_cache=str(evals[0].dir) if evals else None,
         train_caches=[str(c.dir) for c in train],
         eval_caches=[str(c.dir) for c in evals],
     )
@@ -240,9 +239,7 @@ def _worker_env() -> dict[str, str]:
         "TRANSFORMERS_OFFLINE",
         "DS_ACCELERATOR",
         "TORCH_EXTENSIONS_DIR",
-        "RAYLIFT_FAULT_UPLOAD_PAUSE_S",
-        "RAYLIFT_FAULT_KILL_AFTER_STEP",
-        "RAYLIFT_FAULT_HOLD",
+        *faults.WORKER_ENV,
     )
     return {k: os.environ[k] for k in keep if k in os.environ}
 

@@ -145,6 +145,19 @@ class Runtime:
         self._fetched: list[Path] = []
         self._save_s: dict[int, float] = {}
 
+    def _storage_settings(self, cfg: JobConfig) -> None:
+        """What both runtimes take from the config once the rank is known: the run's
+        location (its S3 client built now, not in the middle of training), the checkpoint
+        settings, and rank 0's journal."""
+        self.run = run_location(cfg)
+        prepare_uploads(self.run)
+        self.allow_scratch = cfg.checkpoint.allow_restart_from_scratch
+        self.retry_s = cfg.checkpoint.upload_retry_s
+        self.stuck_s = cfg.checkpoint.stuck_write_s
+        self.sync_upload = cfg.checkpoint.upload == "sync"
+        if self.rank == 0 and not cfg.train.as_test:
+            self.journal = Journal(self.run, f"attempt-{int(time.time() * 1000)}-rank0")
+
     def _fetch(self, loc: Location) -> Path:
         """A local path for a checkpoint: in place on a local/shared FS, else a temp copy
         that `release_fetched` removes."""
@@ -182,18 +195,11 @@ class RayRuntime(Runtime):
         self.rank = ctx.get_world_rank()
         self.world_size = ctx.get_world_size()
         self.local_rank = ctx.get_local_rank()
-        self.run = run_location(cfg)
-        prepare_uploads(self.run)  # not in the middle of training
-        self.allow_scratch = cfg.checkpoint.allow_restart_from_scratch
+        self._storage_settings(cfg)
         self.node_labels = dict(ray.get_runtime_context().get_node_labels())
-        self.retry_s = cfg.checkpoint.upload_retry_s
-        self.stuck_s = cfg.checkpoint.stuck_write_s
-        self.sync_upload = cfg.checkpoint.upload == "sync"
         self._slots = threading.BoundedSemaphore(cfg.checkpoint.max_uploads_in_flight)
         self._in_flight = 0
         self._in_flight_lock = threading.Lock()
-        if self.rank == 0 and not cfg.train.as_test:
-            self.journal = Journal(self.run, f"attempt-{int(time.time() * 1000)}-rank0")
 
     def latest_checkpoint(self) -> Path | None:
         """The newer of Ray's registered checkpoint and the newest complete one in
@@ -312,14 +318,7 @@ class TorchrunRuntime(Runtime):
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.keep_last = cfg.checkpoint.keep_last
-        self.run = run_location(cfg)
-        prepare_uploads(self.run)  # not in the middle of training
-        self.allow_scratch = cfg.checkpoint.allow_restart_from_scratch
-        self.retry_s = cfg.checkpoint.upload_retry_s
-        self.stuck_s = cfg.checkpoint.stuck_write_s
-        if self.rank == 0 and not cfg.train.as_test:
-            self.journal = Journal(self.run, f"attempt-{int(time.time() * 1000)}-rank0")
-        self.sync_upload = cfg.checkpoint.upload == "sync"
+        self._storage_settings(cfg)
         self.max_in_flight = cfg.checkpoint.max_uploads_in_flight
         self._uploads: list[Future[None]] = []
         self._uploader: ThreadPoolExecutor | None = None

@@ -207,3 +207,26 @@ def torch_state_nbytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
         "grads": count.add(p.grad for p in params),
         "optimizer": count.add(optimizer_state_tensors(optimizer)),
     }
+
+
+def compile_layers(layers: list[torch.nn.Module]) -> None:
+    """torch.compile each decoder layer in place (`Module.compile`: parameter names, and so
+    checkpoints and exports, stay as they are). One layer's graph is reused by every layer
+    of the same shape, so compile time does not grow with depth."""
+    for layer in layers:
+        layer.compile()
+
+
+def decoder_layers(model: torch.nn.Module, layer_class: str | None) -> list[torch.nn.Module]:
+    """The repeated blocks to shard one by one: the named class, else the model's own
+    `_no_split_modules` (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer,
+    GPTNeoXLayer, ...)."""
+    names = [layer_class] if layer_class else list(getattr(model, "_no_split_modules", None) or [])
+    found = [m for m in model.modules() if type(m).__name__ in names]
+    if not found:
+        seen = sorted({type(m).__name__ for m in model.modules() if "Layer" in type(m).__name__})
+        raise UserError(
+            f"strategy.layer_class: no {names or 'decoder layer'} modules in "
+            f"{type(model).__name__}; set strategy.layer_class to one of {seen[:6]}"
+        )
+    return found

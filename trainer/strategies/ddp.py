@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.checkpoint import staging
 from trainer.config import JobConfig
 from trainer.errors import CheckpointError
-from trainer.model import adapters
+from trainer.model import adapters, hfconfig
 from trainer.model.loading import load_model
 from trainer.strategies.base import ModelSource
 from trainer.strategies.common import (
@@ -27,6 +27,8 @@ from trainer.strategies.common import (
     autocast,
     build_optimizer,
     clip_grad_norm,
+    compile_layers,
+    decoder_layers,
     loss_scaler,
     torch_state_nbytes,
 )
@@ -66,8 +68,6 @@ class DDPStrategy(ModelCalls):
         if quant is None:
             model.to(device)
         if cfg.train.compile:
-            from trainer.strategies.fsdp import compile_layers, decoder_layers
-
             compile_layers(decoder_layers(model, None))
         self.hf = model
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
@@ -176,6 +176,4 @@ def _write(files: dict[str, Any], out: Path) -> None:
 
 
 def _source_vocab(model_dir: Path) -> int:
-    import json
-
-    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    return int(hfconfig.read_local(model_dir)["vocab_size"])

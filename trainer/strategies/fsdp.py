@@ -36,7 +36,14 @@ from trainer.config import FSDPOptions, JobConfig
 from trainer.errors import CheckpointError, UserError
 from trainer.model.loading import full_state_dict, model_config
 from trainer.strategies.base import ModelSource
-from trainer.strategies.common import Evaluating, ModelCalls, build_optimizer, torch_state_nbytes
+from trainer.strategies.common import (
+    Evaluating,
+    ModelCalls,
+    build_optimizer,
+    compile_layers,
+    decoder_layers,
+    torch_state_nbytes,
+)
 
 IGNORE = -100
 
@@ -552,29 +559,6 @@ def clip_grad_norm_mesh(
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
     return norm
-
-
-def compile_layers(layers: list[torch.nn.Module]) -> None:
-    """torch.compile each decoder layer in place (`Module.compile`: parameter names, and so
-    checkpoints and exports, stay as they are). One layer's graph is reused by every layer
-    of the same shape, so compile time does not grow with depth."""
-    for layer in layers:
-        layer.compile()
-
-
-def decoder_layers(model: torch.nn.Module, layer_class: str | None) -> list[torch.nn.Module]:
-    """The repeated blocks to shard one by one: the named class, else the model's own
-    `_no_split_modules` (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer,
-    GPTNeoXLayer, ...)."""
-    names = [layer_class] if layer_class else list(getattr(model, "_no_split_modules", None) or [])
-    found = [m for m in model.modules() if type(m).__name__ in names]
-    if not found:
-        seen = sorted({type(m).__name__ for m in model.modules() if "Layer" in type(m).__name__})
-        raise UserError(
-            f"strategy.layer_class: no {names or 'decoder layer'} modules in "
-            f"{type(model).__name__}; set strategy.layer_class to one of {seen[:6]}"
-        )
-    return found
 
 
 def _tied_keys(model: Any) -> list[str]:

@@ -1,0 +1,76 @@
+"""The loop's spot-notice component: when to ask Ray for a preemption notice, whether the
+step just trained must be checkpointed at once, and riding out the rest of the notice.
+
+A spot notice (a node drain seen by Ray) checkpoints at once; Ray restarts the group off
+the node after it, so the steps since the last checkpoint are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+log = logging.getLogger("trainer")
+
+PREEMPTION_CHECK_S = 1.0
+"""Seconds between asks for a preemption notice. Ray Train's get_preemption_info() is a
+barrier through its synchronization actor (two actor calls per rank), too dear for every
+step; Ray itself polls for node drains every 5 s, and a spot notice gives two minutes."""
+
+
+class PreemptionWatch:
+    def __init__(self, rt: Any, enabled: bool):
+        self.rt = rt
+        self.enabled = enabled
+        self.notice: dict[str, Any] | None = None
+        self._last_check = time.monotonic()
+
+    def ask(self) -> float:
+        """Rank 0's clock decides when every rank asks: 1.0 to ask after this step, else 0
+        (summed over ranks by the step's first all-reduce)."""
+        due = time.monotonic() - self._last_check >= PREEMPTION_CHECK_S
+        return float(self.rt.rank == 0 and due)
+
+    def check(self, asked: float, done: int) -> None:
+        """Ask Ray (collective) when rank 0 said so, until a notice has come."""
+        if self.notice is not None or not self.enabled or asked <= 0:
+            return
+        self._last_check = time.monotonic()
+        self.notice = self.rt.preemption()
+        if self.notice is not None and self.rt.rank == 0:
+            log.warning(
+                "step %d: node preemption notice (ranks %s, %s s left): checkpointing now",
+                done,
+                self.notice["ranks"],
+                "?" if self.notice["deadline_s"] is None else f"{self.notice['deadline_s']:.0f}",
+            )
+
+    def emergency(self, is_last: bool) -> bool:
+        """Whether this step's checkpoint is an emergency one (the final step's is final)."""
+        return self.notice is not None and not is_last
+
+    def ride_out(self, done: int, saving_started: float) -> None:
+        """After the emergency checkpoint of `done`: say what it took, journal it, and wait
+        for the reclaim (Ray restarts the group elsewhere)."""
+        assert self.notice is not None
+        rt = self.rt
+        took = time.monotonic() - saving_started
+        left = self.notice["deadline_s"]
+        if rt.rank == 0:
+            log.warning(
+                "emergency checkpoint of step %d saved in %.1f s%s",
+                done,
+                took,
+                "" if left is None else f" of the {left:.0f} s left before the reclaim",
+            )
+            if rt.journal is not None:
+                rt.journal.add(
+                    "preemption",
+                    step=done,
+                    ranks=self.notice["ranks"],
+                    deadline_s=left,
+                    save_s=round(took, 3),
+                    margin_s=None if left is None else round(left - took, 3),
+                )
+        rt.wait_out_preemption(None if left is None else left - took)
