@@ -15,13 +15,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from tools import report, tiny
+from tools.jobcli import follow, submit
+from tools.localcluster import LocalCluster
+from trainer.config import load_config
+from trainer.preflight import run_all
 
-from tools import report, submit, tiny  # noqa: E402
-from tools.localcluster import LocalCluster  # noqa: E402
-from trainer.config import load_config  # noqa: E402
-from trainer.preflight import run_all  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 JOB = """\
 model:
@@ -53,11 +53,11 @@ run:
 """
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ROOT / "build" / "demo")
     p.add_argument("--rows", type=int, default=4000)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     out = args.out.resolve()
     assets = out / "assets"
     if not (assets / "model" / "config.json").exists():
@@ -78,7 +78,7 @@ def main() -> int:
         print(f"Ray dashboard and Jobs API: {cluster.dashboard_url}", flush=True)
         client, job_id = submit.submit(cfg, cluster.dashboard_url, token=cluster.token)
         print(f"submitted job {job_id}", flush=True)
-        status, summary = submit.follow(client, job_id, progress=sys.stderr.isatty())
+        status, summary = follow.follow(client, job_id, progress=sys.stderr.isatty())
     finally:
         print("stopping the local Ray cluster …", flush=True)
         cluster.stop()

@@ -38,8 +38,6 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 TOLERANCE = 0.15
 """Predicted ÷ measured peak device memory must lie in [0.85, 1.15] (GPU runs only)."""

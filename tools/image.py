@@ -7,16 +7,12 @@
     python tools/image.py push  [--registry R] [--region R] [--dry-run] [--only ...]
     python tools/image.py lock  [--only NAME] [--check]
 
-The tool itself is the package tools/imagetool (graph, plan, build, push, locks, errors, cli:
-one concern per module); this file is its entry point for `make image` and `make push`.
+The tool itself is the package tools/imagetool (graph, buildplan, build, push, locks,
+errors, cli: one concern per module); this file is its entry point for `make image` and
+`make push` (and `raylift image`).
 """
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.imagetool.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -314,7 +314,6 @@ def main() -> None:
     p.add_argument("--num-cpus", type=int, default=2)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tools.jobcli.cluster import write_local_cluster_file
 
     with LocalCluster(num_cpus=args.num_cpus, head_labels={"large_cpu_mem": "true"}) as c:

@@ -13,9 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import load_config
 from trainer.errors import UserError

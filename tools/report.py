@@ -11,9 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tools.jobcli.runs import PHASE_NAMES, memory_line, slowest_line
+from tools.jobcli.runs import PHASE_NAMES, memory_line, slowest_line, steady
 from trainer.observability.metrics import lineage, read_records
 from trainer.resilience import journal
 from trainer.storage.location import resolve
@@ -121,7 +119,7 @@ def summary_lines(run: dict[str, Any]) -> list[str]:
     if not steps:
         return ["no steps recorded"]
     last = steps[-1]
-    window = steps[len(steps) // 2 :] or steps
+    window = steady(steps)
     tps = sum(r["tokens_per_s"] for r in window) / len(window)
     lines = [
         f"steps: {last['step']}  (restarts: {run['restarts']}, steps lost to restarts: "
@@ -134,11 +132,11 @@ def summary_lines(run: dict[str, Any]) -> list[str]:
             f"eval loss: {run['evals'][-1]['eval_loss']:.4f} "
             f"(perplexity {run['evals'][-1]['eval_perplexity']:.2f})"
         )
-    mem, slow = memory_line(last), slowest_line(last)
+    mem, slow = memory_line(last), slowest_line(steps)
     if mem:
         lines.append(f"fullest worker: {mem}")
     if slow:
-        lines.append(f"slowest part of the step: {slow}")
+        lines.append(f"slowest part of a step (second half of the run): {slow}")
     return lines + journal_lines(run.get("journal") or {})
 
 
@@ -166,18 +164,19 @@ def journal_lines(j: dict[str, Any]) -> list[str]:
     return lines
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run", help="the run's folder: <storage.path>/<run.name>")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--endpoint-override", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     run = load_run(args.run, args.endpoint_override)
     for line in summary_lines(run):
         print(line)
     out = args.out or Path("build") / "reports" / (Path(args.run).name + "-loss.png")
     print(f"plot: {plot(run, out, Path(args.run).name)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -26,7 +26,10 @@ from safetensors.torch import load_file
 from tests.conftest import base_job
 from tests.helpers import torchrun
 from tests.integration.test_ray_train import _train_workers, history, launch
-from tools import submit
+from tools.jobcli import submit
+from tools.jobcli.client import client_for
+from tools.jobcli.follow import follow
+from tools.jobcli.main import main
 from trainer.checkpoint import manager as ckpt_mod
 from trainer.config import load_config
 from trainer.observability.metrics import read_records
@@ -105,7 +108,7 @@ def _held(release: Path, *what: str, ranks: int = 2) -> bool:
 
 
 def _finish(client: Any, job_id: str) -> None:
-    status, _ = submit.follow(client, job_id, progress=False)
+    status, _ = follow(client, job_id, progress=False)
     assert status == "SUCCEEDED", client.get_job_logs(job_id)[-5000:]
 
 
@@ -514,7 +517,7 @@ def test_head_loss_resubmit_resumes_from_storage_and_leaves_a_finished_run_alone
         stop(first)
 
         result: dict[str, int] = {}
-        waiter = threading.Thread(target=lambda: result.update(rc=submit.main(argv)), daemon=True)
+        waiter = threading.Thread(target=lambda: result.update(rc=main(argv)), daemon=True)
         waiter.start()  # it waits for the cluster to come back
         time.sleep(5)
         assert waiter.is_alive()
@@ -530,11 +533,11 @@ def test_head_loss_resubmit_resumes_from_storage_and_leaves_a_finished_run_alone
         assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
         _same_weights(load_file(str(Path(run.path) / FINAL)), reference["weights"], atol=1e-5)
 
-        jobs_before = len(submit.client_for(url, token).list_jobs())
-        rc = submit.main(argv)
+        jobs_before = len(client_for(url, token).list_jobs())
+        rc = main(argv)
         out = capsys.readouterr()
         assert rc == 0 and "headloss already finished (step 150)" in out.out, out
-        assert len(submit.client_for(url, token).list_jobs()) == jobs_before
+        assert len(client_for(url, token).list_jobs()) == jobs_before
     finally:
         for proc in (second, first):
             if proc is not None and proc.poll() is None:

@@ -516,7 +516,9 @@ def test_two_containers_run_a_cluster_and_the_demo_job(engine, cpu_chain, tmp_pa
 
 def _cluster_and_demo(engine, cpu_chain, tmp_path, shared, assets, token, env) -> None:
     from tests.imds import FakeImds
-    from tools import submit
+    from tools.jobcli import submit
+    from tools.jobcli.follow import follow
+    from tools.jobcli.main import main
     from trainer.config import load_config
 
     gcs, dash, client_port, agent, agent2 = (free_port() for _ in range(5))
@@ -559,7 +561,7 @@ def _cluster_and_demo(engine, cpu_chain, tmp_path, shared, assets, token, env) -
         assert ray_uids == {"1000"}, ps
 
         os.environ["RAY_AUTH_TOKEN"] = token
-        rc = submit.main(["doctor", "--address", url, "--shared", str(shared)])
+        rc = main(["doctor", "--address", url, "--shared", str(shared)])
         assert rc == 0
 
         job = shared / "job.yaml"
@@ -571,7 +573,7 @@ def _cluster_and_demo(engine, cpu_chain, tmp_path, shared, assets, token, env) -
         os.chown(job, 1000, 1000)
         cfg = load_config(job)
         client, job_id = submit.submit(cfg, url, token=token, local=False)
-        status, summary = submit.follow(client, job_id, progress=False)
+        status, summary = follow(client, job_id, progress=False)
         assert status == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]
         run_dir = shared / "runs" / "image-demo"
         assert sorted(p.name for p in run_dir.glob("step_*"))

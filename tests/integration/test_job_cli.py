@@ -14,8 +14,9 @@ import psutil
 import pytest
 
 from tests.integration import stubs
-from tools import submit
-from tools.jobcli import cluster, runs
+from tools.jobcli import cluster, runs, submit
+from tools.jobcli.client import client_for
+from tools.jobcli.main import main
 
 pytestmark = pytest.mark.slow
 
@@ -24,16 +25,16 @@ def test_run_lifecycle_through_the_verbs(ray_cluster, job, capsys):
     url = ray_cluster.dashboard_url
     path = job("cli", train={"max_steps": 5000, "eval_every": None})
     common = ["--address", url]
-    assert submit.main([str(path), "--no-follow", *common, "--env", "RAYLIFT_CLI_MARK=m1"]) == 0
+    assert main([str(path), "--no-follow", *common, "--env", "RAYLIFT_CLI_MARK=m1"]) == 0
     out = capsys.readouterr().out
     assert "submitted job raylift-cli-1 " in out, out
-    client = submit.client_for(url)
+    client = client_for(url)
     info = client.get_job_info("raylift-cli-1")
     assert info.runtime_env["env_vars"]["RAYLIFT_CLI_MARK"] == "m1"
 
     # The same run again while it is live: refused with its status, nothing submitted.
     before = len(client.list_jobs())
-    assert submit.main(["run", str(path), "--no-follow", *common]) == 2
+    assert main(["run", str(path), "--no-follow", *common]) == 2
     err = capsys.readouterr().err
     assert "error: run cli is already " in err and "as job raylift-cli-1" in err, err
     assert len(client.list_jobs()) == before
@@ -58,7 +59,7 @@ def test_run_lifecycle_through_the_verbs(ray_cluster, job, capsys):
         "entrypoint_label_selector": {"ray.io/node-id": head},
     }
 
-    assert submit.main(["status", "cli", *common]) == 0
+    assert main(["status", "cli", *common]) == 0
     lines = dict(
         (k.strip(), v.strip())
         for k, _, v in (x.partition(":") for x in capsys.readouterr().out.splitlines())
@@ -74,22 +75,22 @@ def test_run_lifecycle_through_the_verbs(ray_cluster, job, capsys):
     slowest = r" \d\.\d{3} s of \d\.\d{3} s per step \(\d+%\); slowest rank [01]$"
     assert re.search(slowest, lines["slowest"]), lines["slowest"]
 
-    assert submit.main(["list", *common]) == 0
+    assert main(["list", *common]) == 0
     table = capsys.readouterr().out
     assert any("raylift-cli-1" in x and "RUNNING" in x and "cli" in x for x in table.splitlines())
 
-    assert submit.main(["logs", "cli", *common]) == 0
+    assert main(["logs", "cli", *common]) == 0
     assert "step 1/5000 loss" in capsys.readouterr().out
 
-    assert submit.main(["stop", "cli", *common]) == 0
+    assert main(["stop", "cli", *common]) == 0
     assert "job raylift-cli-1: STOPPED" in capsys.readouterr().out
-    assert submit.main(["status", "cli", *common]) == 1  # stopped: exit 1
+    assert main(["status", "cli", *common]) == 1  # stopped: exit 1
     assert "STOPPED" in capsys.readouterr().out
     # Following a stopped submission exits 1 with Ray's message and the log's tail.
-    assert submit.main(["logs", "cli", "--follow", *common]) == 1
+    assert main(["logs", "cli", "--follow", *common]) == 1
     err = capsys.readouterr().err
     assert "error: job raylift-cli-1 STOPPED" in err and "  | " in err
-    assert submit.main(["stop", "cli", *common]) == 2  # nothing live to stop
+    assert main(["stop", "cli", *common]) == 2  # nothing live to stop
     assert "nothing to stop" in capsys.readouterr().err
     # Finished: the run may be submitted again (that is how it resumes), as the next id.
     assert runs.next_submission_id(runs.submissions(client.list_jobs(), "cli"), "cli") == (
@@ -111,7 +112,7 @@ def test_stack_address_goes_through_an_ssm_port_forward_closed_at_exit(
     for key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         monkeypatch.delenv(key, raising=False)
 
-    assert submit.main(["list"]) == 0, capsys.readouterr().err
+    assert main(["list"]) == 0, capsys.readouterr().err
     assert "runs" in capsys.readouterr().out
     calls = stubs.calls(tmp_path)
     assert [c["tool"] for c in calls] == ["pulumi", "aws", "aws", "aws"]
@@ -130,10 +131,10 @@ def test_stack_address_goes_through_an_ssm_port_forward_closed_at_exit(
     with contextlib.ExitStack() as stack:
         target = cluster.resolve(None, stack)
         assert target.address.startswith("http://127.0.0.1:") and not target.local
-        assert submit.client_for(target.address, target.token).list_jobs() is not None
+        assert client_for(target.address, target.token).list_jobs() is not None
 
     # The token really is the one from Secrets Manager: a wrong one there is refused.
     monkeypatch.setenv("STUB_RAY_TOKEN", "0" * 64)
-    assert submit.main(["list"]) == 2
+    assert main(["list"]) == 2
     err = capsys.readouterr().err
     assert "refused the token" in err and "Traceback" not in err

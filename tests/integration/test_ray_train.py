@@ -14,7 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tools import submit
+from tools.jobcli import submit
+from tools.jobcli.client import client_for
+from tools.jobcli.follow import follow
+from tools.jobcli.main import main
 from trainer.config import load_config
 from trainer.observability.metrics import lineage, read_records
 from trainer.preflight import run_all
@@ -33,7 +36,7 @@ def launch(cluster, job_path: Path, overrides: list[str] | None = None, env=None
 
 def run_to_end(cluster, job_path: Path, overrides: list[str] | None = None, env=None):
     cfg, client, job_id = launch(cluster, job_path, overrides, env)
-    status, summary = submit.follow(client, job_id, progress=False)
+    status, summary = follow(client, job_id, progress=False)
     logs = client.get_job_logs(job_id)
     assert status == "SUCCEEDED", logs[-4000:]
     return cfg, summary, logs
@@ -171,7 +174,7 @@ def test_malformed_line_deep_in_file_fails_on_cluster_with_file_line(
     bad.write_text("\n".join([*good[:1200], '{"input": 12}', *good[1200:1300]]) + "\n")
     path = job("badline")
     argv = [str(path), "--address", ray_cluster.dashboard_url, "--no-progress"]
-    rc = submit.main([*argv, "--set", f"data.train_file={bad}"])
+    rc = main([*argv, "--set", f"data.train_file={bad}"])
     out = capsys.readouterr()
     assert rc == 1
     assert "error: job raylift-badline-" in out.err and " FAILED" in out.err
@@ -185,7 +188,7 @@ def test_stopped_job_exits_1(ray_cluster, job, capsys):
     import threading
 
     path = job("stopme", train={"max_steps": 5000, "eval_every": None})
-    client = submit.client_for(ray_cluster.dashboard_url)
+    client = client_for(ray_cluster.dashboard_url)
     stopped: list[str] = []
 
     def stop_when_running():
@@ -204,7 +207,7 @@ def test_stopped_job_exits_1(ray_cluster, job, capsys):
 
     t = threading.Thread(target=stop_when_running, daemon=True)
     t.start()
-    rc = submit.main([str(path), "--address", ray_cluster.dashboard_url, "--no-progress"])
+    rc = main([str(path), "--address", ray_cluster.dashboard_url, "--no-progress"])
     t.join(timeout=600)
     err = capsys.readouterr().err
     assert stopped, "the job never reached RUNNING"
@@ -227,19 +230,19 @@ def test_jobs_api_requires_the_cluster_token(ray_cluster, job, monkeypatch, caps
     assert status({"Authorization": "Bearer " + "0" * 64}) == 403
     assert status(ray_cluster.auth_headers) == 200
     # The submit tool with a wrong token is refused with one clear line, nothing submitted.
-    before = len(submit.client_for(ray_cluster.dashboard_url).list_jobs())
+    before = len(client_for(ray_cluster.dashboard_url).list_jobs())
     monkeypatch.setenv("RAY_AUTH_TOKEN", "0" * 64)
-    rc = submit.main([str(job("noauth")), "--address", ray_cluster.dashboard_url])
+    rc = main([str(job("noauth")), "--address", ray_cluster.dashboard_url])
     err = capsys.readouterr().err
     assert rc == 2 and "error: the Ray cluster at" in err and "refused the token" in err, err
     assert "Traceback" not in err
     monkeypatch.undo()
-    assert len(submit.client_for(ray_cluster.dashboard_url).list_jobs()) == before
+    assert len(client_for(ray_cluster.dashboard_url).list_jobs()) == before
 
 
 def test_submit_rejects_bad_input_before_submitting(ray_cluster, job, capsys):
-    before = len(submit.client_for(ray_cluster.dashboard_url).list_jobs())
-    rc = submit.main(
+    before = len(client_for(ray_cluster.dashboard_url).list_jobs())
+    rc = main(
         [
             str(job("rejected")),
             "--address",
@@ -252,4 +255,4 @@ def test_submit_rejects_bad_input_before_submitting(ray_cluster, job, capsys):
     assert "data.block_size: 100000 exceeds the model's max_position_embeddings" in (
         capsys.readouterr().err
     )
-    assert len(submit.client_for(ray_cluster.dashboard_url).list_jobs()) == before
+    assert len(client_for(ray_cluster.dashboard_url).list_jobs()) == before

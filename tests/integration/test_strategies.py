@@ -390,7 +390,7 @@ def test_ccl_backend_config_prepares_every_worker_before_the_process_group(ray_c
     import sys
     import time
 
-    from tools.submit import client_for
+    from tools.jobcli.client import client_for
 
     (tmp_path / "ccl_probe_bindings.py").write_text("LOADED = True\n")
     (tmp_path / "driver.py").write_text(_CCL_DRIVER)

@@ -107,9 +107,10 @@ def test_worker_memory_and_step_breakdown(tmp_path):
     run = report.load_run(str(run_dir))
     lines = report.summary_lines(run)
     assert "fullest worker: rank 1: 6.00 GiB peak (25% of 24.0 GiB)" in lines
+    # Steps 5-8: the checkpoint of step 5 (0.4 s) is spread over the four steps.
     assert (
-        "slowest part of the step: forward+backward 0.300 s of 0.360 s per step (83%); "
-        "slowest rank 1" in lines
+        "slowest part of a step (second half of the run): forward+backward 0.300 s of "
+        "0.460 s per step (65%); slowest rank 1" in lines
     )
     png = report.plot(run, tmp_path / "w.png", "w")
     import matplotlib.image
@@ -123,3 +124,25 @@ def test_plot_without_worker_records(tmp_path):
     _write_history(run_dir / "metrics.jsonl")
     png = report.plot(report.load_run(str(run_dir)), tmp_path / "old.png", "old")
     assert png.stat().st_size > 10_000
+
+
+def test_step_breakdown_describes_the_run_not_its_last_step(tmp_path):
+    """The last step runs the final eval; the summary must still name the phase that
+    dominates the run's steps, with the eval spread over the steps it serves."""
+    run_dir = tmp_path / "runs" / "e"
+    run_dir.mkdir(parents=True)
+    recs = []
+    for s in range(1, 21):
+        rec = {"event": "train", "attempt": 1, "step": s, "loss": 3.0, "tokens_per_s": 9.0}
+        phases = {"data": 0.001, "fwd_bwd": 0.02, "optim": 0.002, "ckpt": 0.0}
+        phases["eval"] = 0.06 if s == 20 else 0.0
+        for name, t in phases.items():
+            rank = 0 if name == "eval" else 1
+            rec.update({f"t_{name}_s_mean": t, f"t_{name}_s_max": t, f"t_{name}_s_max_rank": rank})
+        recs.append(rec)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    lines = report.summary_lines(report.load_run(str(run_dir)))
+    assert (
+        "slowest part of a step (second half of the run): forward+backward 0.020 s of "
+        "0.029 s per step (69%); slowest rank 1" in lines
+    ), lines

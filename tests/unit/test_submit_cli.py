@@ -12,10 +12,11 @@ import yaml
 from ray.dashboard.modules.job.pydantic_models import JobDetails, JobType
 from ray.job_submission import JobStatus
 
-from tools import submit
-from tools.jobcli import cluster, doctor, runs
+from tools.jobcli import cluster, doctor, follow, runs, submit
+from tools.jobcli.main import main
 from tools.jobcli.presets import preset_overrides
 from trainer.config import load_config
+from trainer.errors import UserError
 
 BASE = {
     "model": {"path": "/models/llama"},
@@ -99,9 +100,9 @@ def test_job_env_passes_what_the_user_names_and_credentials_only_for_an_endpoint
         {**BASE, "storage": {"path": "s3://b/runs", "endpoint_override": "http://127.0.0.1:1"}}
     )
     assert submit.job_env(minio)["AWS_SECRET_ACCESS_KEY"] == "secret"
-    with pytest.raises(submit.UserError, match="--env NOT_SET_HERE: not set in this shell"):
+    with pytest.raises(UserError, match="--env NOT_SET_HERE: not set in this shell"):
         submit.job_env(plain, ["NOT_SET_HERE"])
-    with pytest.raises(submit.UserError, match="expected KEY=VALUE"):
+    with pytest.raises(UserError, match="expected KEY=VALUE"):
         submit.job_env(plain, ["1BAD=x"])
 
 
@@ -110,9 +111,9 @@ def test_cluster_address_order_and_the_local_cluster_file(tmp_path, monkeypatch,
     monkeypatch.setenv("RAYLIFT_LOCAL_CLUSTER_FILE", str(record))
     monkeypatch.setenv("PATH", str(tmp_path))  # no pulumi here
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    with pytest.raises(submit.UserError, match="no Ray cluster found"):
+    with pytest.raises(UserError, match="no Ray cluster found"):
         cluster.resolve(None, contextlib.ExitStack())
-    assert submit.main(["list"]) == 2
+    assert main(["list"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: no Ray cluster found") and err.count("\n") == 1
 
@@ -122,7 +123,7 @@ def test_cluster_address_order_and_the_local_cluster_file(tmp_path, monkeypatch,
     found = cluster.resolve(None, contextlib.ExitStack())
     assert (found.address, found.token, found.local) == ("http://127.0.0.1:1234", "t0k", True)
     record.write_text(json.dumps({**json.loads(record.read_text()), "pid": 2**22 + 1}))
-    with pytest.raises(submit.UserError, match="no Ray cluster found"):
+    with pytest.raises(UserError, match="no Ray cluster found"):
         cluster.resolve(
             None, contextlib.ExitStack()
         )  # its process is gone: a stale file is ignored
@@ -143,7 +144,7 @@ def test_port_forward_command_from_the_stack_is_parsed():
         '--parameters \'{"portNumber":["8265"],"localPortNumber":["8265"]}\''
     )
     assert cluster.parse_port_forward(command) == ("eu-west-1", "rl-head-1a2b", 8265)
-    with pytest.raises(submit.UserError, match="not in the expected form"):
+    with pytest.raises(UserError, match="not in the expected form"):
         cluster.parse_port_forward("ssh head")
 
 
@@ -199,7 +200,7 @@ def test_doctor_marks_version_skew_red_on_every_node_and_counts_failures():
 
 def test_bare_config_means_run(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert submit.main([str(tmp_path / "missing.yaml")]) == 2
+    assert main([str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml: config file not found" in capsys.readouterr().err
 
 
@@ -240,7 +241,7 @@ class _Tail:
 def _follow(chunks: list[str]):
     import asyncio
 
-    return asyncio.run(submit._follow(_Tail(chunks), "raysubmit_x", progress=False))
+    return asyncio.run(follow._follow(_Tail(chunks), "raysubmit_x", progress=False))
 
 
 def test_follow_finds_the_summary_cut_across_chunks_and_among_another_writers_text(capsys):

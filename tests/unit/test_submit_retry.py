@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tools import submit
+from tools.jobcli import client
 
 
 class JobsAPI(BaseHTTPRequestHandler):
@@ -61,8 +61,8 @@ def jobs_api():
 
 
 def _submit(address):
-    client = submit.client_for(address, token="t")
-    return submit._submit_with_retry(client, entrypoint="true", submission_id="raylift-x-1")
+    jobs = client.client_for(address, token="t")
+    return client.submit_with_retry(jobs, entrypoint="true", submission_id="raylift-x-1")
 
 
 def test_transient_no_agent_is_retried_until_it_clears(jobs_api, monkeypatch):
@@ -74,8 +74,8 @@ def test_transient_no_agent_is_retried_until_it_clears(jobs_api, monkeypatch):
 
 def test_never_clearing_is_one_clear_error_within_the_bound(jobs_api, monkeypatch):
     monkeypatch.setattr(JobsAPI, "failures_left", 10**6)
-    monkeypatch.setattr(submit, "SUBMIT_RETRY_S", 2.0)
-    with pytest.raises(submit.AgentNotReady, match="did not become available in 2s"):
+    monkeypatch.setattr(client, "SUBMIT_RETRY_S", 2.0)
+    with pytest.raises(client.AgentNotReady, match="did not become available in 2s"):
         _submit(jobs_api)
     assert 1 <= len(JobsAPI.posts) <= 4  # a loaded machine may fit fewer tries in 2 s
 

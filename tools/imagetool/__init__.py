@@ -1,12 +1,12 @@
 """Raylift's image tool as a package of single-concern modules (tools/image.py is its CLI).
 
-    errors  what the user sees as one line (and what is worth a retry)
-    graph   images/graph.yaml, typed and validated: the only reader of that file
-    plan    order, tags and build args: a pure function of the graph, the commit, the version
-    build   `docker build` (BuildKit) per image, with progress and the failing step on error
-    push    ECR login (boto3), pushes through the Docker SDK with retries (tenacity), tag file
-    locks   lock files: exact pins, resolved for the images' platform by `uv pip compile`
-    cli     argparse verbs over the above
+    errors     what the user sees as one line (and what is worth a retry)
+    graph      images/graph.yaml, typed and validated: the only reader of that file
+    buildplan  order, tags and build args: a pure function of the graph, commit and version
+    build      `docker build` (BuildKit) per image, with progress and the failing step on error
+    push       ECR login (boto3), pushes through the Docker SDK with retries, tag file
+    locks      lock files: exact pins, resolved for the images' platform by `uv pip compile`
+    cli        argparse verbs over the above
 
 The names below are the package's API, re-exported so callers (tools/image.py, the tests)
 need not know which module holds what.
@@ -19,6 +19,17 @@ from tools.imagetool.build import (
     ensure_buildx,
     run_build,
     subprocess_lines,
+)
+from tools.imagetool.buildplan import (
+    GitInfo,
+    ImageBuild,
+    Plan,
+    format_plan,
+    git_info,
+    image_ref,
+    make_plan,
+    normalize_registry,
+    project_version,
 )
 from tools.imagetool.errors import (
     BuildFailed,
@@ -52,17 +63,6 @@ from tools.imagetool.locks import (
     resolve,
     sdist_requires,
     write_locks,
-)
-from tools.imagetool.plan import (
-    GitInfo,
-    ImageBuild,
-    Plan,
-    format_plan,
-    git_info,
-    image_ref,
-    make_plan,
-    normalize_registry,
-    project_version,
 )
 from tools.imagetool.push import (
     RegistryCredentials,

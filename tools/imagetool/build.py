@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from tools.imagetool.buildplan import ImageBuild, Plan
 from tools.imagetool.console import stderr_console
 from tools.imagetool.engine import BuildSettings, DockerEngine, Engine
 from tools.imagetool.errors import BuildFailed, EngineUnavailable, UserError
-from tools.imagetool.plan import ImageBuild, Plan
 
 log = logging.getLogger("raylift.image")
 

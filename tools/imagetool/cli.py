@@ -11,6 +11,14 @@ from pathlib import Path
 from typing import TextIO
 
 from tools.imagetool.build import EngineImages, docker_client, run_build
+from tools.imagetool.buildplan import (
+    GitInfo,
+    Plan,
+    format_plan,
+    git_info,
+    make_plan,
+    project_version,
+)
 from tools.imagetool.console import setup_logging
 from tools.imagetool.engine import (
     BuildSettings,
@@ -23,7 +31,6 @@ from tools.imagetool.errors import UserError
 from tools.imagetool.graph import DEFAULT_GRAPH, REPO_ROOT, Graph, build_order, load_graph
 from tools.imagetool.locks import check_locks, write_locks
 from tools.imagetool.osimage import DEFAULT_OS_TAG, make_os_image
-from tools.imagetool.plan import GitInfo, Plan, format_plan, git_info, make_plan, project_version
 from tools.imagetool.push import (
     PULUMI_REPOSITORIES_OUTPUT,
     REGISTRY_ENV,

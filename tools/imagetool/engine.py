@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools.imagetool.buildplan import ImageBuild
 from tools.imagetool.errors import EngineUnavailable, PushFailed, UserError
-from tools.imagetool.plan import ImageBuild
 
 ENGINE_ENV = "RAYLIFT_IMAGE_ENGINE"
 CA_ENV = "RAYLIFT_CA_BUNDLE"

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tools.imagetool.buildplan import ImageBuild, Plan, image_ref, normalize_registry
 from tools.imagetool.console import stderr_console
 from tools.imagetool.errors import PushFailed, TransientError, UserError
 from tools.imagetool.graph import REPO_ROOT
-from tools.imagetool.plan import ImageBuild, Plan, image_ref, normalize_registry
 
 log = logging.getLogger("raylift.image")
 T = TypeVar("T")

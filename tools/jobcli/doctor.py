@@ -8,15 +8,82 @@ attacker would: a request to the Jobs API without the token must be refused.
 
 from __future__ import annotations
 
+import argparse
+import logging
+import os
+import shlex
+import sys
+import tempfile
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
+from tools.jobcli import cluster
+from tools.jobcli.client import submit_with_retry
+from tools.jobcli.follow import failure_lines, follow
+from tools.jobcli.submit import absolutize, runtime_env
+from trainer.config import load_config
 from trainer.observability.logs import find_marked
 from trainer.runtime.doctor import MARK
 
+log = logging.getLogger("raylift.submit")
+
 VERSIONED = ("python", "ray", "torch", "transformers")
+
+
+def run(args: argparse.Namespace, client: Any, target: cluster.Target) -> int:
+    """The `doctor` verb: one job checks every node; exit 1 when any check is red."""
+    shared, storage, endpoint, region = args.shared, args.storage, args.endpoint_override, None
+    if args.config:
+        cfg = absolutize(load_config(args.config), Path.cwd())
+        storage = storage or cfg.storage.path
+        endpoint = endpoint or cfg.storage.endpoint_override
+        region = cfg.storage.region
+    cmd = ["python", "-m", "trainer", "doctor"]
+    if storage and storage.startswith("s3://"):
+        cmd += ["--bucket", storage]
+        if endpoint:
+            cmd += ["--endpoint-override", endpoint]
+        if region:
+            cmd += ["--region", region]
+    elif storage:
+        shared = shared or storage
+    if shared:
+        cmd += ["--shared", shared]
+    env = {"PYTHONUNBUFFERED": "1"}
+    for item in args.env:
+        key, eq, value = item.partition("=")
+        env[key] = value if eq else os.environ.get(key, "")
+    with tempfile.TemporaryDirectory(prefix="raylift-doctor-") as workdir:
+        job_id = submit_with_retry(
+            client,
+            entrypoint=" ".join(shlex.quote(c) for c in cmd),
+            runtime_env=runtime_env(workdir, env, target.local),
+            submission_id=f"raylift-doctor-{int(time.time() * 1000)}",
+            metadata={"raylift_doctor": "1"},
+        )
+    log.info("doctor: job %s checks every node …", job_id)
+    status, _ = follow(client, job_id, progress=False, echo=False)
+    result = parse(client.get_job_logs(job_id))
+    if status != "SUCCEEDED" or result is None:
+        for line in failure_lines(client, job_id, status):
+            print(line, file=sys.stderr)
+        return 1
+    result["cluster"] = {
+        "collective": result.pop("collective"),
+        "jobs api auth": probe_auth(target.address),
+    }
+    judge(result)
+    render(result)
+    bad = failures(result)
+    if bad:
+        print(f"doctor: {len(bad)} check(s) failed", file=sys.stderr)
+        return 1
+    print("doctor: every check passed", flush=True)
+    return 0
 
 
 def parse(logs: str) -> dict[str, Any] | None:

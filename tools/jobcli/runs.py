@@ -67,7 +67,7 @@ class Progress:
     lost_steps: int = 0
     note: str | None = None  # why nothing could be read, when so
     memory: str | None = None  # the fullest rank at the last logged step
-    slowest: str | None = None  # the phase that took most of the step
+    slowest: str | None = None  # the phase that took most of a step, over the steady run
 
 
 PHASE_NAMES = {
@@ -92,16 +92,41 @@ def memory_line(rec: dict[str, Any]) -> str | None:
     return line
 
 
-def slowest_line(rec: dict[str, Any]) -> str | None:
-    """The phase that took most of the step (mean over ranks), and its slowest rank."""
-    means = {p: rec.get(f"t_{p}_s_mean") for p in PHASE_NAMES}
-    if any(v is None for v in means.values()):
+def steady(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steady part of a run's step records: its second half (warm-up, compilation and
+    the first checkpoints are behind it)."""
+    return steps[len(steps) // 2 :] or steps
+
+
+def slowest_line(steps: list[dict[str, Any]]) -> str | None:
+    """The phase that took most of a step over the steady part of the run (mean over ranks),
+    and the rank most often slowest at it. A record's phase times are means over the steps
+    since the record before it, so each is weighted by the steps it covers: an eval or a
+    checkpoint counts once, spread over the steps it serves, whichever step ran it."""
+    window = steady(steps)
+    if not window or any(f"t_{p}_s_mean" not in r for r in window for p in PHASE_NAMES):
         return None
+    first = steps.index(window[0])
+    before = steps[first - 1]["step"] if first else window[0]["step"] - 1
+    totals = dict.fromkeys(PHASE_NAMES, 0.0)
+    covered = 0
+    slow_ranks: dict[str, dict[Any, float]] = {p: {} for p in PHASE_NAMES}
+    for rec in window:
+        n = max(1, int(rec["step"]) - int(before))
+        before = rec["step"]
+        covered += n
+        for p in PHASE_NAMES:
+            t = rec[f"t_{p}_s_mean"] * n
+            totals[p] += t
+            rank = rec.get(f"t_{p}_s_max_rank")
+            slow_ranks[p][rank] = slow_ranks[p].get(rank, 0.0) + t
+    means = {p: t / covered for p, t in totals.items()}
     total = sum(means.values()) or 1e-12
     top = max(means, key=lambda p: means[p])
+    rank = max(slow_ranks[top], key=lambda r: slow_ranks[top][r])
     return (
         f"{PHASE_NAMES[top]} {means[top]:.3f} s of {total:.3f} s per step "
-        f"({means[top] / total:.0%}); slowest rank {rec[f't_{top}_s_max_rank']}"
+        f"({means[top] / total:.0%}); slowest rank {rank}"
     )
 
 
@@ -148,7 +173,7 @@ def read_progress(meta: dict[str, str], total: int | None = None) -> Progress:
         restarts=restarts,
         lost_steps=lost,
         memory=memory_line(last),
-        slowest=slowest_line(last),
+        slowest=slowest_line(steps),
     )
 
 
