@@ -300,9 +300,28 @@ class TrainSection(_Section):
     )
     seed: int = Field(default=42, description="Seeds init, data order and RNG streams.")
     eval_every: int | None = Field(default=None, ge=1, description="Steps between evals.")
-    eval_batches: int | None = Field(
-        default=None, ge=1, description="Micro batches per worker per eval; null = whole file."
+    eval_blocks: int | None = Field(
+        default=None,
+        ge=1,
+        description="Blocks each eval reads: the first N of the eval set, the same blocks for "
+        "any world size, layout, grad_accum or elastic size; null = the whole eval set.",
     )
+    eval_batches: int | None = Field(
+        default=None,
+        ge=1,
+        description="Older form of eval_blocks: eval_batches × micro_batch_size blocks for the "
+        "whole run (it used to count per worker, so the eval set changed with the layout).",
+    )
+
+    @property
+    def eval_limit(self) -> int | None:
+        """Blocks each eval reads: eval_blocks, else eval_batches × micro_batch_size."""
+        if self.eval_blocks is not None:
+            return self.eval_blocks
+        if self.eval_batches is not None:
+            return self.eval_batches * self.micro_batch_size
+        return None
+
     log_every: int = Field(default=1, ge=1, description="Steps between metric reports.")
     as_test: bool = Field(
         default=False, description="One forward/backward and one step, then exit (smoke test)."

@@ -41,7 +41,6 @@ from trainer.data.feed import TrainFeed, open_eval_sets, open_feed
 from trainer.data.tokenize import IGNORE
 from trainer.model.loading import (
     check_device,
-    count_params,
     load_tokenizer,
     local_model_dir,
     local_tokenizer_dir,
@@ -172,9 +171,10 @@ def _eval_sums(
     replica, replicas = cfg.data_rank(rt.rank, rt.world_size)
     with strategy.evaluating():
         for ix in eval_indices(
-            len(blocks), cfg.train.micro_batch_size, replicas, replica, cfg.train.eval_batches
+            len(blocks), cfg.train.micro_batch_size, replicas, replica, cfg.train.eval_limit
         ):
-            ids, labels, *segs = blocks.gather(ix)
+            ids, labels, *segs = blocks.gather(np.maximum(ix, 0))
+            labels[ix < 0] = IGNORE  # a place past the eval set: the forward, no loss
             x, y = torch.from_numpy(ids).to(device), torch.from_numpy(labels).to(device)
             loss = strategy.eval_loss(x, y, **_attention(segs, cfg, device))
             n = _target_count(y)  # the predictions the loss averaged over
@@ -372,7 +372,7 @@ def _resume(
     )
     if tracker.names:
         tracker.events(journal_mod.read(rt.run))
-    n_params = count_params(strategy.model)
+    n_params = strategy.param_count()  # the whole model's, for MFU, under every layout
     if rt.rank == 0:
         log.info(
             "training %s: %d params, steps %d→%d of %d, global batch %d × %d tokens, "
@@ -392,6 +392,17 @@ def _resume(
     peak = peak_flops(
         torch.cuda.get_device_name(device) if device.type == "cuda" else None, cfg.train.precision
     )
+    if metrics_file is not None:  # what this attempt's MFU counts, the same under any layout
+        metrics_file.write(
+            {
+                "event": "start",
+                "attempt": metrics_file.attempt,
+                "from_step": start,
+                "world_size": rt.world_size,
+                "params": n_params,
+                "peak_flops": peak,
+            }
+        )
     report = StepReport(
         rt=rt,
         log_every=cfg.train.log_every,

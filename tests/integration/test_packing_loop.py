@@ -134,7 +134,7 @@ def test_mixed_sources_resume_exactly_and_report_per_source(job, tiny, tmp_path)
         "eval_file": [{"path": str(tiny["eval"]), "name": "qa"}, {"path": str(chat_eval)}],
         "chat_template": TEMPLATE,
     }
-    common = {"max_steps": 6, "eval_every": 3, "eval_batches": 2}
+    common = {"max_steps": 6, "eval_every": 3, "eval_blocks": 8}
     straight = job("mix-straight", data=data, train=common, scaling={"num_workers": 1})
     res = torchrun(["-m", "trainer", "run", str(straight)], nproc=1, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

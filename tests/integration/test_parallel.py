@@ -2,10 +2,12 @@
 layout's loss curve equals DDP's on the same data and global batch, a checkpoint written
 under one layout (and world size) resumes under another, and the export of a pipelined
 run (one safetensors shard per stage) loads in plain transformers and reproduces the
-trained model's logits.
+trained model's logits; MFU counts the whole model and eval reads the same blocks under
+every layout and world size.
 
-Five torchrun jobs in all (one DDP reference, tp=2, pp=2 interleaved, dp=2×tp=2 stopped
-at step 4 and resumed as dp=2×pp=2), no Ray: the Ray path is the same loop and strategy.
+Six torchrun jobs in all (one DDP reference, DDP on one worker, tp=2, pp=2 interleaved,
+dp=2×tp=2 stopped at step 4 and resumed as dp=2×pp=2), no Ray: the Ray path is the same
+loop and strategy.
 """
 
 from __future__ import annotations
@@ -78,6 +80,12 @@ def _steps(runs: Path, name: str) -> list[dict[str, Any]]:
     return steps
 
 
+def _start(runs: Path, name: str) -> dict[str, Any]:
+    """The run's first `start` record: what its MFU counted."""
+    records = read_records(resolve(str(runs)).join(name, "metrics.jsonl"))
+    return next(r for r in records if r.get("event") == "start")
+
+
 def _assert_same_curve(got: list[dict[str, Any]], ref: list[dict[str, Any]]) -> None:
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for key in ("loss", "grad_norm", "eval_loss"):
@@ -111,6 +119,8 @@ def test_tensor_parallel_matches_ddp_and_exports(tiny, model4, runs, ddp_curve):
     _train(_job(tiny, model4, runs, "tp2", strategy={"name": "fsdp", "tp": 2}), 2)
     _assert_same_curve(_steps(runs, "tp2"), ddp_curve)
     assert _export_reproduces_probe(runs / "tp2") == ["model.safetensors"]
+    # MFU counts the whole model: a tensor-parallel shard counts whole.
+    assert _start(runs, "tp2")["params"] == _start(runs, "ddp")["params"] > 0
 
 
 def test_interleaved_pipeline_matches_ddp_and_exports_a_shard_per_stage(
@@ -120,10 +130,22 @@ def test_interleaved_pipeline_matches_ddp_and_exports_a_shard_per_stage(
     _train(_job(tiny, model4, runs, "pp2", strategy=strategy), 2)
     _assert_same_curve(_steps(runs, "pp2"), ddp_curve)
     # Rank 0 holds stages 0 and 2, rank 1 stages 1 and 3: one shard per pipeline rank.
+    # MFU counts the whole model: every pipeline stage, not rank 0's.
+    assert _start(runs, "pp2")["params"] == _start(runs, "ddp")["params"] > 0
     shards = _export_reproduces_probe(runs / "pp2")
     assert shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     state = json.loads((runs / "pp2" / f"step_{STEPS:08d}" / "trainer_state.json").read_text())
     assert state["layout"] == "dcp/2" and state["world_size"] == 2
+
+
+def test_one_worker_accumulating_evaluates_the_same_blocks_as_two(tiny, model4, runs, ddp_curve):
+    """The same job on one worker (grad_accum 2 instead of 2 workers): the same losses, and
+    the same eval set (train.eval_blocks), so eval_loss agrees to float noise; eval sets
+    that counted batches per worker differed here by half the blocks."""
+    _train(_job(tiny, model4, runs, "ddp1", train={"micro_batch_size": 2}), 1)
+    _assert_same_curve(_steps(runs, "ddp1"), ddp_curve)
+    assert _start(runs, "ddp1")["world_size"] == 1
+    assert _start(runs, "ddp1")["params"] == _start(runs, "ddp")["params"]
 
 
 def test_checkpoint_of_one_layout_resumes_under_another(tiny, model4, runs, ddp_curve):

@@ -170,9 +170,29 @@ def test_plan_is_world_size_independent():
 
 def test_eval_indices_split_across_ranks():
     parts = [eval_indices(10, 2, 3, r, None) for r in range(3)]
-    flat = sorted(i for p in parts for mb in p for i in mb.tolist())
+    flat = sorted(i for p in parts for mb in p for i in mb.tolist() if i >= 0)
     assert flat == list(range(10))
-    assert [len(mb) for mb in eval_indices(10, 2, 3, 0, 1)] == [2]
+    # Every replica runs as many batches (a sharded forward is a collective): 4 places
+    # each, the two past the set marked -1.
+    assert [sum(len(mb) for mb in p) for p in parts] == [4, 4, 4]
+    assert sum(int((mb < 0).sum()) for p in parts for mb in p) == 2
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("micro", [1, 2, 4])
+def test_the_eval_set_is_the_same_for_any_layout(replicas, micro):
+    """eval_blocks: the first N blocks, whatever the number of replicas or micro batch size
+    (an elastic run that shrinks, a pp/tp layout, another grad_accum)."""
+    for limit, expected in ((16, range(16)), (None, range(37)), (100, range(37))):
+        got = [
+            i
+            for r in range(replicas)
+            for mb in eval_indices(37, micro, replicas, r, limit)
+            for i in mb.tolist()
+            if i >= 0
+        ]
+        assert sorted(got) == list(expected)
+        assert len(got) == len(set(got))
 
 
 def test_step_loss_is_the_token_mean_over_micro_batches_even_with_a_prompt_only_one(tiny):

@@ -199,10 +199,15 @@ class StepBatches:
 
 
 def eval_indices(
-    num_blocks: int, micro_batch_size: int, world_size: int, rank: int, max_batches: int | None
+    num_blocks: int, micro_batch_size: int, replicas: int, replica: int, limit: int | None
 ) -> list[np.ndarray]:
-    """A rank's eval micro batches: blocks strided across ranks, in file order."""
-    mine = np.arange(rank, num_blocks, world_size)
-    if max_batches is not None:
-        mine = mine[: max_batches * micro_batch_size]
+    """A replica's eval micro batches. The eval set is the first `limit` blocks (all of
+    them with None) whatever the layout, strided across the data-parallel replicas. Every
+    replica gets the same number of batches, since a sharded model's forward is a
+    collective: the places past the set are -1, which the caller gathers as block 0 and
+    leaves out of the loss."""
+    chosen = num_blocks if limit is None else min(limit, num_blocks)
+    per_replica = -(-chosen // replicas)
+    mine = np.arange(replica, replica + per_replica * replicas, replicas)
+    mine[mine >= chosen] = -1
     return [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]

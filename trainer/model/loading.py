@@ -166,8 +166,3 @@ def load_model(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model
-
-
-def count_params(model: torch.nn.Module) -> int:
-    # ZeRO-3 partitions leave empty tensors; ds_numel is the full size.
-    return sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters())

@@ -69,6 +69,10 @@ class Strategy(Protocol):
     def step(self) -> float:
         """Clip (if configured), step the optimizer, zero the grads; the global grad norm."""
 
+    def param_count(self) -> int:
+        """The whole model's parameters (every pipeline stage, every shard), the same on
+        every rank: what MFU counts. Collective where the model is split into stages."""
+
     def evaluating(self) -> AbstractContextManager:
         """Eval mode and no grad for the duration, train mode after."""
 

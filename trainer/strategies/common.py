@@ -88,6 +88,11 @@ class ModelCalls:
 
     model: torch.nn.Module
 
+    def param_count(self) -> int:
+        """A sharded parameter counts whole: an FSDP2/TP DTensor's numel is its global
+        size, a ZeRO-3 partition keeps its full size in ds_numel."""
+        return sum(getattr(p, "ds_numel", None) or p.numel() for p in self.model.parameters())
+
     def precision(self) -> contextlib.AbstractContextManager:
         raise NotImplementedError
 

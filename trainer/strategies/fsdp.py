@@ -99,6 +99,16 @@ class FSDPStrategy(ModelCalls):
         if self.pp > 1:
             self._build_schedule()
 
+    def param_count(self) -> int:
+        """Every stage's parameters: this rank's stages, summed over the pipeline ranks
+        (a DTensor counts its global size, so dp and tp shards count once)."""
+        mine = sum(p.numel() for part in self.parts for p in part.parameters())
+        if self.pp == 1:
+            return mine
+        total = torch.tensor([mine], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total, group=self.mesh["pp"].get_group())
+        return int(total.item())
+
     def _build_part(
         self, conf: Any, stage: int, weights: dict[str, Any], source: ModelSource
     ) -> torch.nn.Module:

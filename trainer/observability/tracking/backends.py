@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("trainer.observability.tracking.trackers")
+log = logging.getLogger("trainer.observability.tracking")
 
 
 def _scalars(values: dict[str, Any]) -> dict[str, float]:

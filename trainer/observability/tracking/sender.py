@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-log = logging.getLogger("trainer.observability.tracking.trackers")
+log = logging.getLogger("trainer.observability.tracking")
 
 
 @dataclass(eq=False)  # an item is itself: two records with equal values are two items

@@ -27,7 +27,7 @@ from trainer.config import JobConfig
 from trainer.observability.tracking.sender import Outcome, Sender
 from trainer.storage.location import Location
 
-log = logging.getLogger("trainer.observability.tracking.trackers")
+log = logging.getLogger("trainer.observability.tracking")
 
 STATE_FILE = "tracking.json"
 FAILED_CLOSE_TIMEOUT_S = 10.0
