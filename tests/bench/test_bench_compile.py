@@ -22,7 +22,7 @@ import math
 import yaml
 
 from tests.bench.benchutil import Check, run_benchmark, size, steady_tokens_per_s, trainer_job
-from tests.helpers import torchrun
+from tests.support.torchrun import torchrun
 from tools.tiny import build_all
 from trainer.config import load_config
 from trainer.observability.metrics import read_records

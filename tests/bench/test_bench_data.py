@@ -17,28 +17,19 @@ Sizes: RAYLIFT_BENCH_DATA_MB (corpus size), RAYLIFT_BENCH_REPEATS (rounds).
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.bench.benchutil import Check, run_benchmark, size
-from tools.tiny import build_all, qa_pair
+from tests.support.bench_inputs import make_corpus
+from tools.tiny import build_all
 
 CORPUS_MB = size("RAYLIFT_BENCH_DATA_MB", 200, 4, minimum=4)
 BLOCK = 1024
 SPEEDUP_TARGET = 1.5  # issues 12 and 23
 HERE = Path(__file__).resolve().parent
-
-
-def make_corpus(path: Path, megabytes: float, seed: int = 0) -> Path:
-    rng = random.Random(seed)
-    with open(path, "w") as f:
-        while f.tell() < megabytes * 1_000_000:
-            parts = [" ".join(qa_pair(rng)) for _ in range(rng.randint(8, 40))]
-            f.write(json.dumps({"text": " ".join(parts)}) + "\n")
-    return path
 
 
 def run(kind: str, model: Path, corpus: Path, workdir: Path) -> dict[str, float]:

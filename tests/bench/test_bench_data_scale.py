@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from tests.bench.benchutil import Check, run_benchmark, size, smoke
-from tests.bench.test_bench_data import make_corpus
+from tests.support.bench_inputs import make_corpus
 from tools.tiny import build_all
 
 CORPUS_MB = size("RAYLIFT_BENCH_SCALE_MB", 160, 8, minimum=8)

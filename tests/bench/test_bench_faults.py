@@ -35,8 +35,9 @@ from typing import Any
 import yaml
 
 from tests.bench.benchutil import Check, optional_env_int, run_benchmark, size, smoke
-from tests.conftest import S3_KEY, S3_SECRET, WeedServer, base_job
-from tests.integration.test_ray_train import _train_workers, history, launch, run_to_end
+from tests.support.jobs import base_job
+from tests.support.ray_jobs import history, launch, run_to_end, train_workers
+from tests.support.s3 import S3_KEY, S3_SECRET, WeedServer
 from tools import submit
 from tools.tiny import build_all
 from trainer.observability.metrics import read_records
@@ -83,7 +84,7 @@ def test_recovery_after_a_worker_kill(ray_cluster, tmp_path):
             if any(r.get("step", 0) >= 2 * EVERY + 5 for r in read_records(metrics)):
                 break
             time.sleep(0.02)
-        os.kill(_train_workers(client, job_id)[1].pid, signal.SIGKILL)
+        os.kill(train_workers(client, job_id)[1].pid, signal.SIGKILL)
         killed = time.time()
         status, _ = submit.follow(client, job_id, progress=False)
         assert status == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]

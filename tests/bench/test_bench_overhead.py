@@ -52,7 +52,7 @@ from tests.bench.benchutil import (
     torch_or_ray_worker,
     trainer_job,
 )
-from tests.helpers import torchrun
+from tests.support.torchrun import torchrun
 from tools.tiny import build_all
 from trainer.observability.metrics import read_records
 from trainer.storage.location import resolve

@@ -28,7 +28,7 @@ from typing import Any
 
 from benchutil import ROOT, Check, results_dir, run_benchmark, size
 
-VOCAB = 8000
+from tests.support.bench_inputs import VOCAB, make_model
 
 CASES: dict[str, dict[str, Any]] = {
     "ddp_b4_s256": {"strategy": {"name": "ddp"}, "micro": 4, "block": 256},
@@ -52,24 +52,6 @@ def job(case: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         "scaling": {"num_workers": 1},
         "run": {"name": "bench-planner"},
     }
-
-
-def make_model(out: Path, hidden: int, layers: int) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    conf = LlamaConfig(
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        intermediate_size=int(hidden * 2.6875),
-        vocab_size=VOCAB,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
-    if not (out / "config.json").exists():
-        LlamaForCausalLM(conf).save_pretrained(out, safe_serialization=True)
-    return out
 
 
 def predicted(cfg_dict: dict[str, Any]) -> float:

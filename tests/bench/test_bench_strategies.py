@@ -50,8 +50,8 @@ from tests.bench.benchutil import (
     size,
     smoke,
 )
-from tests.bench.test_bench_planner import VOCAB, make_model
-from tests.helpers import torchrun
+from tests.support.bench_inputs import VOCAB, make_model
+from tests.support.torchrun import torchrun
 
 WORLD = 2
 BLOCK, MICRO = 128, 2

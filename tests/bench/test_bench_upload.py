@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from tests.bench.benchutil import Check, run_benchmark, size
-from tests.conftest import S3_KEY, S3_SECRET, WeedServer
+from tests.support.s3 import S3_KEY, S3_SECRET, WeedServer
 from trainer.checkpoint.manager import write_manifest
 from trainer.checkpoint.upload import upload_checkpoint
 from trainer.storage.location import resolve

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.imds import SPOT_PATH, TOKEN_PATH, FakeAutoScaling, FakeImds
+from tests.support.imds import SPOT_PATH, TOKEN_PATH, FakeAutoScaling, FakeImds
 
 pytestmark = pytest.mark.slow
 

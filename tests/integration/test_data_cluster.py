@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.integration.test_ray_train import history, retrained, run_killed
+from tests.support.ray_jobs import history, retrained, run_killed
 from trainer.data.blocks import PackedBlocks
 from trainer.data.tokenize import IGNORE, Settings, TokenCache, prepare
 from trainer.model.loading import load_tokenizer

@@ -23,9 +23,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.conftest import base_job
-from tests.helpers import torchrun
-from tests.integration.test_ray_train import _train_workers, history, launch
+from tests.support.jobs import base_job
+from tests.support.ray_jobs import history, launch, train_workers
+from tests.support.torchrun import torchrun
 from tools.jobcli import submit
 from tools.jobcli.client import client_for
 from tools.jobcli.follow import follow
@@ -152,7 +152,7 @@ def test_three_worker_kills_mid_upload_mid_write_and_at_random_resume_exactly(
     folder = run_dir / ckpt_mod.dir_name(torn)
     assert (folder / "strategy").exists() and not (folder / "done").exists()
     # Rank 0 writes the checkpoint: kill it inside the held upload.
-    os.kill(_train_workers(client, job_id)[0].pid, signal.SIGKILL)
+    os.kill(train_workers(client, job_id)[0].pid, signal.SIGKILL)
     release.touch()  # the restarted group trains through step 50 without a hold
 
     # 2. DDP: rank 0 writes the model and optimizer; its background write of step 75
@@ -164,7 +164,7 @@ def test_three_worker_kills_mid_upload_mid_write_and_at_random_resume_exactly(
 
     _wait(trained_past, "steps trained during the held write", client, job_id)
     assert ckpt_mod.completeness(run.join(ckpt_mod.dir_name(held)))[0] is None
-    os.kill(_train_workers(client, job_id)[0].pid, signal.SIGKILL)
+    os.kill(train_workers(client, job_id)[0].pid, signal.SIGKILL)
     release_write.touch()
 
     # 3. A random step of the third attempt.
@@ -176,7 +176,7 @@ def test_three_worker_kills_mid_upload_mid_write_and_at_random_resume_exactly(
     _wait(reached, f"attempt 3 at step {target}", client, job_id)
     newest = ckpt_mod.find_latest(run, allow_scratch=True)
     at_kill = ckpt_mod.step_of(newest) if newest else 0
-    victims = _train_workers(client, job_id)
+    victims = train_workers(client, job_id)
     assert len(victims) == 2, victims
     os.kill(victims[rng.randrange(2)].pid, signal.SIGKILL)
     _finish(client, job_id)
@@ -389,7 +389,7 @@ def test_spot_notice_checkpoints_at_once_and_loses_no_step(ray_cluster, tiny, tm
     image runs it) drains its node for preemption; the loop sees it at a step boundary,
     checkpoints at once and stops stepping; the node is reclaimed at the deadline, a
     replacement joins, and the run resumes from the emergency checkpoint: zero lost."""
-    from tests.imds import SPOT_PATH, TOKEN_PATH, FakeImds
+    from tests.support.imds import SPOT_PATH, TOKEN_PATH, FakeImds
 
     cfg, client, job_id = launch(ray_cluster, fault_job(tiny, tmp_path, "spot"))
     run_dir = Path(cfg.storage.path) / cfg.run.name
@@ -554,7 +554,7 @@ def test_a_file_cut_off_by_a_storage_outage_is_an_error_not_a_silent_success(tmp
     vouch for a file that never arrived. Raylift's put_file must raise instead, so the
     upload retries. The server is stopped between two parts of one file: the source is a
     pipe that the test feeds, so the outage lands mid-file by construction."""
-    from tests.conftest import S3_KEY, S3_SECRET, WeedServer
+    from tests.support.s3 import S3_KEY, S3_SECRET, WeedServer
     from trainer.checkpoint.upload import put_file
 
     (tmp_path / "weed").mkdir()
@@ -595,7 +595,7 @@ def test_an_s3_file_cut_off_mid_multipart_upload_raises_and_leaves_no_object(tmp
     out, from the transfer's own progress callback, so the outage lands mid-file by
     construction. The upload must raise an OSError naming the file, and once the server
     is back no object stands at the key (a multipart upload is never completed)."""
-    from tests.conftest import S3_KEY, S3_SECRET, WeedServer
+    from tests.support.s3 import S3_KEY, S3_SECRET, WeedServer
     from trainer.checkpoint.upload import put_files_s3
 
     (tmp_path / "weed").mkdir()

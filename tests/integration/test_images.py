@@ -564,7 +564,7 @@ def test_two_containers_run_a_cluster_and_the_demo_job(engine, cpu_chain, tmp_pa
 
 
 def _cluster_and_demo(engine, cpu_chain, tmp_path, shared, assets, token, env) -> None:
-    from tests.imds import FakeImds
+    from tests.support.imds import FakeImds
     from tools.jobcli import submit
     from tools.jobcli.follow import follow
     from tools.jobcli.main import main

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import torchrun
-from tests.unit.test_data_inputs import TEMPLATE, write
+from tests.support.data import TEMPLATE, write
+from tests.support.torchrun import torchrun
 from trainer.config import load_config
 from trainer.data.blocks import BatchPlan, PackedBlocks
 from trainer.data.tokenize import IGNORE, TokenCache

@@ -21,8 +21,8 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import base_job
-from tests.helpers import torchrun
+from tests.support.jobs import base_job
+from tests.support.torchrun import torchrun
 from trainer.observability.metrics import lineage, read_records
 from trainer.storage.location import resolve
 

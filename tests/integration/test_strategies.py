@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.integration.test_ray_train import history, retrained, run_killed, run_to_end
+from tests.support.ray_jobs import history, retrained, run_killed, run_to_end
 from trainer.resilience import journal
 from trainer.storage.location import resolve
 
@@ -429,7 +429,7 @@ def _trackers_hold_every_step_once(run_dir: Path, mlflow_uri: str) -> None:
     tracker run per tracker, holding steps 1-12 once each (TensorBoard by purging)."""
     from mlflow.tracking import MlflowClient
 
-    from tests.trackers import tb_events, wandb_history
+    from tests.support.trackers import tb_events, wandb_history
 
     ids = json.loads((run_dir / "tracking.json").read_text())
     client = MlflowClient(tracking_uri=mlflow_uri)

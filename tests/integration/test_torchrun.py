@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import torchrun as run_torchrun
+from tests.support.torchrun import torchrun as run_torchrun
 from tools.tiny import write_dataset
 from trainer.observability.logs import SUMMARY_MARK, find_marked
 from trainer.observability.metrics import lineage, read_records
@@ -71,7 +71,7 @@ def test_torchrun_trains_on_while_a_checkpoint_uploads(job, tmp_path):
     the one upload slot (step 9 does not start); released, every checkpoint completes."""
     import time
 
-    from tests.helpers import torchrun_command
+    from tests.support.torchrun import torchrun_command
     from trainer.checkpoint import manager as ckpt_mod
     from trainer.resilience import journal
 
@@ -115,7 +115,7 @@ def test_a_rank_whose_checkpoint_write_hangs_exits_instead_of_hanging_the_job(jo
     once: its hung writer thread would block a normal interpreter exit, and torchrun would
     never see the rank fail. The job fails with the one-line cause; nothing of step 4
     looks complete in storage."""
-    from tests.helpers import torchrun_command
+    from tests.support.torchrun import torchrun_command
     from trainer.checkpoint import manager as ckpt_mod
 
     release = tmp_path / "release"

@@ -15,7 +15,7 @@ import pytest
 
 from tests.unit.test_plan import _job
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 RAYLIFT = Path(sys.executable).with_name("raylift")
 VERBS = (
     "run",

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from tests.conftest import ROOT
+from tests.support.jobs import ROOT
 
 PROBE = """
 import json, os, sys

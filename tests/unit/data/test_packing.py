@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.unit.test_data_inputs import TEMPLATE, write
+from tests.support.data import TEMPLATE, write
 from trainer.config import ConfigError, load_config
 from trainer.data import packing
 from trainer.data.blocks import PackedBlocks

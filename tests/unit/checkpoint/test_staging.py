@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.unit.test_state_nbytes import VOCAB, _strategy, model_dir  # noqa: F401 - fixture
+from tests.support.jobs import ROOT
+from tests.support.small_model import VOCAB, small_strategy
 from trainer.checkpoint import manager as ck
 from trainer.checkpoint import staging
 
@@ -33,10 +34,10 @@ def _manager(s, ts: ck.TrainState) -> ck.CheckpointManager:
     return ck.CheckpointManager(identity, parts, ts, 0, 1, every=1, export_every=None)
 
 
-def test_ddp_checkpoint_holds_the_state_of_its_step_while_training_goes_on(model_dir):  # noqa: F811
+def test_ddp_checkpoint_holds_the_state_of_its_step_while_training_goes_on(model_dir):
     """The background write is held until three more optimizer steps have changed every
     weight and moment in place; the files must still hold the saved step's values."""
-    s = _strategy(model_dir)
+    s = small_strategy(model_dir)
     _train_step(s, 0)
     want_model = {k: v.clone() for k, v in s.hf.state_dict().items()}
     want_moment = {
@@ -279,13 +280,13 @@ def test_a_stager_copies_into_the_memory_it_kept_once_the_write_before_has_read_
 
 
 def test_ddp_checkpoint_staged_while_the_one_before_is_written_keeps_both_steps(
-    model_dir,  # noqa: F811
+    model_dir,
     tmp_path,
 ):
     """Two checkpoints one step apart, the first's write not yet run when the second is
     staged: each file holds its own step (the second may not copy into the memory the
     first's write still reads). A third, after both, is right too (kept memory reused)."""
-    s = _strategy(model_dir)
+    s = small_strategy(model_dir)
     writes, wants = [], []
     for n in range(3):
         _train_step(s, n)
@@ -322,10 +323,7 @@ def _ds_worker(rank: int, stage: int, model: str, init: str, out: str) -> None:
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)  # DeepSpeed asks for it, as torchrun and Ray set it
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
-    config = (
-        Path(__file__).resolve().parents[2]
-        / f"trainer/strategies/deepspeed/templates/zero{stage}.json"
-    )
+    config = ROOT / f"trainer/strategies/deepspeed/templates/zero{stage}.json"
     cfg = load_config(
         {
             "model": {"path": model},
@@ -379,7 +377,7 @@ def _same(a, b, where: str) -> None:
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_staged_files_are_its_own_files_of_the_saved_step(model_dir, tmp_path, stage):  # noqa: F811
+def test_deepspeed_staged_files_are_its_own_files_of_the_saved_step(model_dir, tmp_path, stage):
     """DeepSpeed's save_checkpoint, run against the staging checkpoint engine, writes the
     files it writes inline (same names, same contents once loaded) even though three
     optimizer steps ran before the background writer did."""
@@ -470,7 +468,7 @@ def _fsdp_worker(rank: int, model: str, init: str, out: str, second: Any) -> Non
     dist.destroy_process_group()
 
 
-def test_fsdp_checkpoints_in_quick_succession_are_written_one_after_another(model_dir, tmp_path):  # noqa: F811
+def test_fsdp_checkpoints_in_quick_succession_are_written_one_after_another(model_dir, tmp_path):
     """Checkpoints that come faster than DCP writes them (a short interval, a slow disk on
     one rank) are all written, each loadable: the saves' collectives never cross."""
     import time

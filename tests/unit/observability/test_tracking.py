@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.trackers import tb_events, wandb_history
+from tests.support.trackers import tb_events, wandb_history
 from trainer.config import JobConfig, load_config
 from trainer.errors import ConfigError
 from trainer.observability.tracking.sender import Sender

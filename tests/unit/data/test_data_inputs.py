@@ -4,52 +4,24 @@ masks through packing; long rows are split or dropped and counted."""
 
 from __future__ import annotations
 
-import gzip
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.support.data import TEMPLATE, write
 from trainer.data.blocks import PackedBlocks
 from trainer.data.tokenize import IGNORE, Settings, prepare
 from trainer.errors import DataError, UserError
 from trainer.model.loading import load_tokenizer
 
 ROWS = [{"text": f"row {i}: Ana has {i} pens and {2 * i} books."} for i in range(60)]
+
+
 # A minimal chat template: each turn is <|role|>content, assistant turns end with EOS.
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
-    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
 @pytest.fixture(scope="module")
 def tokenizer(tiny):
     return load_tokenizer(tiny["model"], str(tiny["tokens"]))
-
-
-def write(path: Path, rows: list, fmt: str | None = None) -> Path:
-    """rows in jsonl, jsonl.gz, jsonl.zst or parquet, by the file's suffix. A str row is
-    written as-is (a malformed line)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fmt = fmt or "".join(path.suffixes)
-    if fmt == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        pq.write_table(pa.Table.from_pylist(rows), path)
-        return path
-    body = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows).encode()
-    if fmt == ".jsonl.gz":
-        body = gzip.compress(body)
-    elif fmt == ".jsonl.zst":
-        import pyarrow as pa
-
-        body = pa.Codec("zstd").compress(body, asbytes=True)
-    path.write_bytes(body)
-    return path
 
 
 def sharded(folder: Path, rows: list) -> Path:
@@ -340,7 +312,7 @@ def test_a_shipped_tokenizer_encodes_text_without_transformers_and_chat_the_same
     res = subprocess.run(
         [sys.executable, "-c", SHIPPED_WORKER, str(tmp_path / "tok.pkl"),
          str(tmp_path / "settings.pkl"), str(shipped), str(text), str(chat)],
-        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[3],
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     # text first: no transformers; the chat file needed the template renderer

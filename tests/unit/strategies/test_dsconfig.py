@@ -115,7 +115,7 @@ def test_unknown_shipped_name():
 
 # ------------------------------------------------------------------ the Ray template's files
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "ray_template"
+TEMPLATE = Path(__file__).resolve().parents[2] / "data" / "ray_template"
 
 
 def _template(name: str) -> tuple[dict, str]:

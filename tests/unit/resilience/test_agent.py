@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from tests.imds import REBALANCE_PATH, SPOT_PATH, TOKEN_PATH, FakeImds
+from tests.support.imds import REBALANCE_PATH, SPOT_PATH, TOKEN_PATH, FakeImds
 from trainer.resilience import agent
 
 

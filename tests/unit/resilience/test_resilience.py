@@ -329,7 +329,7 @@ def test_fault_hold_stops_an_upload_before_its_manifests_until_released(tmp_path
 def test_a_stopped_s3_server_leaves_no_sockets_in_tmp(tmp_path):
     """weed makes unix sockets in /tmp for its ports; stopping the test server removes
     them, so CI runs do not pile them up on the machine."""
-    from tests.conftest import WeedServer
+    from tests.support.s3 import WeedServer
 
     server = WeedServer(tmp_path)
     server.start()

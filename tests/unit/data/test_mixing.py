@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.unit.test_data_inputs import write
+from tests.support.data import write
 from trainer.config import ConfigError, DataSection, load_config
 from trainer.data.blocks import PackedBlocks
 from trainer.data.mixing import MixedBatches, MixPlan
