@@ -142,7 +142,6 @@ class Engine:
 
     name = "engine"
     # Step header and failure lines of this engine's plain build output.
-    step_re: re.Pattern[str] = re.compile(r"$^")
 
     def version(self) -> str:
         raise NotImplementedError
@@ -192,17 +191,12 @@ class Engine:
     def remove(self, ref: str) -> None:
         raise NotImplementedError
 
-    def parse_step(self, line: str) -> str | None:
-        match = self.step_re.match(line)
-        return match["step"] if match else None
-
 
 class DockerEngine(Engine):
     """Docker with BuildKit (through the CLI: the SDK's build endpoint is the legacy builder,
     which rejects `RUN --mount`, docker/docker-py#2230)."""
 
     name = "docker"
-    step_re = re.compile(r"^#\d+ (?P<step>\[[^\]]+\] .*)$")
 
     def version(self) -> str:
         return run_text(["docker", "version", "--format", "{{.Server.Version}}"]).strip()
@@ -265,7 +259,6 @@ class BuildahEngine(Engine):
     CNI needed), Docker image format so HEALTHCHECK and SHELL are kept, every step cached."""
 
     name = "buildah"
-    step_re = re.compile(r"^STEP (?P<step>\d+/\d+: .*)$")
 
     def version(self) -> str:
         return run_text(["buildah", "--version"]).strip().split(" (")[0]

@@ -12,8 +12,6 @@ from typing import Any
 
 import yaml
 
-from trainer.errors import ConfigError
-
 _COMMON: dict[str, Any] = {
     "scaling.use_gpu": True,
     "train.precision": "bf16",
@@ -62,8 +60,3 @@ def preset_overrides(size: str, config: str | Path, overrides: list[str]) -> lis
     ):
         out.append(f"strategy.config={STRATEGY['config']}")
     return out
-
-
-def check_size(size: str | None) -> None:
-    if size is not None and size not in SIZES:
-        raise ConfigError(f"--size {size}: choose one of {', '.join(SIZES)}")
