@@ -210,7 +210,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     scheduler = build_scheduler(cfg, strategy.optimizer, steps)
     ts = TrainState()
     manager = _checkpoint_manager(cfg, rt, strategy, scheduler, ts)
-    start, report = _resume(cfg, rt, manager, strategy, feed, ts, steps, end, device)
+    start, report = _start_attempt(cfg, rt, manager, strategy, feed, ts, steps, end, device)
     evaluation = Evaluation(
         cfg, rt, strategy, device, open_eval_sets(cfg, prep.eval_caches, feed.attention)
     )
@@ -333,7 +333,7 @@ def _checkpoint_manager(
     )
 
 
-def _resume(
+def _start_attempt(
     cfg: JobConfig,
     rt: Runtime,
     manager: CheckpointManager,
