@@ -10,7 +10,14 @@ from typing import Any
 
 import pulumi
 import pulumi_aws as aws
+import yaml
 
+from infra.autoscaler import (
+    autoscaler_config,
+    autoscaler_env,
+    pool_labels,
+    pool_resources,
+)
 from infra.catalog import CatalogError, load_catalog
 from infra.checks import check_image_in_ecr, report_quotas
 from infra.components.alerts import CapacityAlerts
@@ -28,7 +35,7 @@ from infra.settings import POOL_MARKETS, SettingsError, StackSettings, parse_set
 from infra.summary import pool_summary
 
 # Top-level `raylift:` keys a stack file may set (see Pulumi.example.yaml).
-_OBJECT_KEYS = ("network", "storage", "registry", "image", "ray", "pools")
+_OBJECT_KEYS = ("network", "storage", "registry", "image", "ray", "autoscaling", "pools")
 
 
 def read_settings() -> StackSettings:
@@ -48,20 +55,6 @@ def read_settings() -> StackSettings:
     except (CatalogError, SettingsError) as exc:
         # RunError: the CLI prints the message alone, one line, no Python traceback.
         raise pulumi.RunError(str(exc)) from None
-
-
-def pool_labels(pool: str, extra: dict[str, str]) -> dict[str, str]:
-    """Ray node labels every pool carries, so jobs can select by pool and market."""
-    labels = {"pool": pool, "market": POOL_MARKETS[pool]}
-    if pool == "large-cpu-mem":
-        labels["large_cpu_mem"] = "true"
-    return {**labels, **extra}
-
-
-def pool_resources(pool: str, extra: dict[str, float]) -> dict[str, float]:
-    """Custom resources; `large_cpu_mem` matches Ray's Llama-2 template's rank-0 placement."""
-    resources: dict[str, float] = {"large_cpu_mem": 1} if pool == "large-cpu-mem" else {}
-    return {**resources, **extra}
 
 
 def main() -> dict[str, Any]:
@@ -136,6 +129,7 @@ def main() -> dict[str, Any]:
                 kms_key_arn=settings.storage.kms_key_arn,
             ),
             tags=tags,
+            autoscaling=settings.autoscaling.enabled,
         ),
     )
 
@@ -143,7 +137,7 @@ def main() -> dict[str, Any]:
     repo_url = registry.repository_urls[settings.image.repository]
     repo_name = f"{settings.registry.prefix}/{settings.image.repository}"
     image_tags = resolve_tags(settings.image)
-    enabled = {p: spec for p, spec in settings.pools.by_name().items() if spec.size > 0}
+    enabled = {p: spec for p, spec in settings.pools.by_name().items() if spec.capacity > 0}
     if image_tags is None:
         pulumi.log.warn(
             "no image tag (raylift:image.tag unset and no "
@@ -162,6 +156,17 @@ def main() -> dict[str, Any]:
                 )
             check_image_in_ecr(repo_name, image_tags.cpu, f"{image_tags.source}, cpu variant")
         report_quotas(settings)
+    for line in settings.pools.deprecations():
+        pulumi.log.warn(line)
+    autoscaling = settings.autoscaling.enabled
+    head_autoscaler = (
+        (
+            yaml.safe_dump(autoscaler_config(settings, region), sort_keys=False),
+            autoscaler_env(settings),
+        )
+        if autoscaling
+        else (None, {})
+    )
     alerts = CapacityAlerts(name, settings.alert_email, tags)
     stack_ami = pinned_ami(name, settings.ami_parameter, tags) if enabled else None
     boot_dependencies = [
@@ -204,6 +209,8 @@ def main() -> dict[str, Any]:
                     token_secret_arn=v["secret_arn"],
                     hosted_zone_id=v["zone_id"] if role == "head" else None,
                     lifecycle_hook=DRAIN_HOOK if role == "worker" else None,
+                    autoscaler_config=head_autoscaler[0] if role == "head" else None,
+                    autoscaler_env=head_autoscaler[1] if role == "head" else {},
                 )
             )
         )
@@ -215,7 +222,8 @@ def main() -> dict[str, Any]:
                 role=role,
                 market=POOL_MARKETS[pool],
                 instance_types=spec.instance_types,
-                size=spec.size,
+                size=spec.capacity,
+                min_size=spec.min_nodes if autoscaling and role == "worker" else None,
                 root_volume_gib=spec.root_volume_gib,
                 root_volume_throughput=spec.root_volume_throughput,
                 root_volume_iops=spec.root_volume_iops,
@@ -247,6 +255,7 @@ def main() -> dict[str, Any]:
                 f"--parameters '{ports}'"
             )
         )
+    summary = pool_summary(settings)
     outputs: dict[str, Any] = {
         "headAddress": f"{head_fqdn}:{settings.ray.gcs_port}",
         "jobsApiPortForward": port_forward,
@@ -264,7 +273,9 @@ def main() -> dict[str, Any]:
         "ami": stack_ami,
         "capacityAlertsTopic": alerts.topic_arn,
         "rayAuthTokenSecretArn": token.secret_arn if token else None,
-        "summary": pool_summary(settings),
+        "summary": summary,
+        # What the cluster bills while no job runs (the head alone, unless minNodes > 0).
+        "idleUsdPerHour": summary["idleUsdPerHour"],
     }
     for key, value in outputs.items():
         pulumi.export(key, value)

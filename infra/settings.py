@@ -197,6 +197,12 @@ class RaySettings(_Model):
 
 class PoolSettings(_Model):
     instance_types: list[str] = Field(min_length=1)
+    # The most nodes the pool may hold. Ray's autoscaler sizes the pool between minNodes and
+    # maxNodes to the jobs; with autoscaling off the pool holds maxNodes all the time.
+    max_nodes: int | None = Field(default=None, ge=0)
+    # Nodes kept up while idle (warm nodes); 0 costs nothing while no job runs.
+    min_nodes: int = Field(default=0, ge=0)
+    # Deprecated alias of maxNodes (the fixed size before autoscaling); the head's size is 1.
     size: int = Field(default=0, ge=0)
     root_volume_gib: int = Field(default=200, ge=50)
     labels: dict[str, str] = Field(default_factory=dict)
@@ -209,6 +215,19 @@ class PoolSettings(_Model):
     # An explicit AMI id for this pool; unset = the AMI the stack pinned (DEFAULT_AMI_PARAMETER).
     ami: str | None = Field(default=None, pattern=r"^ami-[0-9a-f]{8,17}$")
     root_device_name: str = "/dev/sda1"
+
+    @property
+    def capacity(self) -> int:
+        """maxNodes, or the deprecated size where maxNodes is unset."""
+        return self.size if self.max_nodes is None else self.max_nodes
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolSettings:
+        if self.max_nodes is not None and "size" in self.model_fields_set:
+            raise ValueError("set maxNodes only (size is its deprecated alias)")
+        if self.min_nodes > self.capacity:
+            raise ValueError(f"minNodes {self.min_nodes} is above maxNodes {self.capacity}")
+        return self
 
     @model_validator(mode="after")
     def _gp3_ratio(self) -> PoolSettings:
@@ -243,13 +262,13 @@ class PoolSettings(_Model):
 def _default_pools() -> dict[str, Any]:
     return {
         "head": {"instanceTypes": ["m5.xlarge"], "size": 1, "rootVolumeGib": 100, "numCpus": 0},
-        "gpuOnDemand": {"instanceTypes": ["g5.4xlarge"], "size": 0},
-        "gpuSpot": {"instanceTypes": ["g5.4xlarge", "g5.8xlarge", "g5.2xlarge"], "size": 0},
+        "gpuOnDemand": {"instanceTypes": ["g5.4xlarge"]},
+        "gpuSpot": {"instanceTypes": ["g5.4xlarge", "g5.8xlarge", "g5.2xlarge"]},
         # Sized for the 70b preset's rank 0: the full model is gathered here at checkpoint time
         # (~4 B/param = 280 GB for 70B) on top of this node's offloaded optimizer shards; rank 0
         # is a GPU training worker, so the node needs a GPU as well as the RAM.
-        "largeCpuMem": {"instanceTypes": ["g5.48xlarge"], "size": 1, "rootVolumeGib": 500},
-        "cpu": {"instanceTypes": ["c6i.16xlarge"], "size": 0},
+        "largeCpuMem": {"instanceTypes": ["g5.48xlarge"], "maxNodes": 1, "rootVolumeGib": 500},
+        "cpu": {"instanceTypes": ["c6i.16xlarge"]},
     }
 
 
@@ -262,7 +281,7 @@ class PoolsSettings(_Model):
 
     @model_validator(mode="after")
     def _shape(self) -> PoolsSettings:
-        if self.head.size != 1:
+        if self.head.capacity != 1 or self.head.min_nodes not in (0, 1):
             raise ValueError("pools.head.size must be 1 (one Ray head per cluster)")
         for key in ("head", "gpu_on_demand", "large_cpu_mem", "cpu"):
             pool: PoolSettings = getattr(self, key)
@@ -270,13 +289,36 @@ class PoolsSettings(_Model):
                 raise ValueError(
                     f"pools.{to_camel(key)} is on-demand and takes exactly one instance type"
                 )
-        if self.large_cpu_mem.size > 1:
-            raise ValueError("pools.largeCpuMem.size must be 0 or 1 (it hosts rank 0)")
+        if self.large_cpu_mem.capacity > 1:
+            raise ValueError("pools.largeCpuMem.maxNodes must be 0 or 1 (it hosts rank 0)")
         return self
+
+    def deprecations(self) -> list[str]:
+        """One line per worker pool still sized with `size` (the head's size is its own)."""
+        return [
+            f"raylift:pools.{to_camel(key)}.size is deprecated: it is now maxNodes (the pool "
+            f"grows to it with the jobs and idles at minNodes); rename it"
+            for key in POOL_KEYS
+            if key != "head" and "size" in getattr(self, key).model_fields_set
+        ]
 
     def by_name(self) -> dict[str, PoolSettings]:
         """Pools keyed by their canonical (label) name, in creation order."""
         return {POOL_KEYS[key]: getattr(self, key) for key in POOL_KEYS}
+
+
+class AutoscalingSettings(_Model):
+    """Ray's autoscaler v2 on the head sizes the worker pools to the jobs (spot first).
+
+    Off: every pool holds maxNodes all the time, as before autoscaling."""
+
+    enabled: bool = True
+    # A worker idle this long is drained and ended (and its pool shrinks with it).
+    idle_minutes: float = Field(default=10, gt=0)
+    # A node asked for that runs no Ray this long after is given up (no capacity, or a boot
+    # that failed), and the autoscaler turns to the next node type: spot to on demand. It
+    # covers an instance's boot and image pull, so it is longer than a g5 needs for both.
+    launch_timeout_minutes: float = Field(default=10, gt=0)
 
 
 class StackSettings(_Model):
@@ -290,6 +332,7 @@ class StackSettings(_Model):
     # quota exceeded); unset = subscribe to the `capacityAlertsTopic` output yourself.
     alert_email: str | None = Field(default=None, pattern=r"^[^@\s]+@[^@\s]+$")
     ray: RaySettings = Field(default_factory=RaySettings)
+    autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
     pools: PoolsSettings
 
     @model_validator(mode="after")
@@ -327,7 +370,12 @@ def parse_settings(raw: Mapping[str, Any]) -> StackSettings:
     # not a complaint about whichever pool happened to be validated first.
     load_catalog()
     data = dict(raw)
-    data["pools"] = _merge(_default_pools(), data.get("pools") or {})
+    overrides = data.get("pools") or {}
+    data["pools"] = _merge(_default_pools(), overrides)
+    for key, pool in overrides.items():
+        # A stack's deprecated `size` replaces the default maxNodes rather than clash with it.
+        if isinstance(pool, Mapping) and "size" in pool and "maxNodes" not in pool:
+            data["pools"][key].pop("maxNodes", None)
     try:
         return StackSettings.model_validate(data)
     except ValidationError as exc:

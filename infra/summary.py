@@ -47,7 +47,7 @@ def vcpu_needs(settings: StackSettings) -> dict[str, dict[str, Any]]:
     catalog = load_catalog()
     needs: dict[str, dict[str, Any]] = {}
     for pool, spec in settings.pools.by_name().items():
-        if spec.size == 0:
+        if spec.capacity == 0:
             continue
         market = POOL_MARKETS[pool]
         by_class: dict[str, int] = {}
@@ -57,7 +57,7 @@ def vcpu_needs(settings: StackSettings) -> dict[str, dict[str, Any]]:
         for cls, vcpus in by_class.items():
             code, title = QUOTAS[(cls, market)]
             row = needs.setdefault(code, {"quota": title, "vcpus": 0, "pools": []})
-            row["vcpus"] += vcpus * spec.size
+            row["vcpus"] += vcpus * spec.capacity
             row["pools"].append(pool)
     return dict(sorted(needs.items()))
 
@@ -65,34 +65,47 @@ def vcpu_needs(settings: StackSettings) -> dict[str, dict[str, Any]]:
 def pool_summary(settings: StackSettings) -> dict[str, Any]:
     """Per pool: market, types, node count, GPUs and estimated $/hour; plus cluster totals.
 
+    `nodes`, `gpus` and `usdPerHour` are the pool at its maximum (a job that fills it);
+    `idleNodes` and `idleUsdPerHour` what it holds, and costs, while no job runs: minNodes
+    with autoscaling, everything without (and the head, always).
+
     Spot pools are priced at the first listed type's *typical* spot price (the allocation
     strategy may pick another listed type), so treat spot figures as estimates.
     """
     catalog = load_catalog()
     pools: dict[str, Any] = {}
     total_usd = 0.0
+    idle_usd = 0.0
     total_gpus = 0
     for pool, spec in settings.pools.by_name().items():
         market = POOL_MARKETS[pool]
         first = catalog.instances[spec.instance_types[0]]
-        usd = round(first.usd_per_hour(market) * spec.size, 3)
-        gpus = first.gpu_count * spec.size
+        usd = round(first.usd_per_hour(market) * spec.capacity, 3)
+        gpus = first.gpu_count * spec.capacity
+        idle = (
+            spec.capacity if pool == "head" or not settings.autoscaling.enabled else spec.min_nodes
+        )
         pools[pool] = {
             "market": market,
             "instanceTypes": list(spec.instance_types),
-            "nodes": spec.size,
+            "nodes": spec.capacity,
+            "idleNodes": idle,
             "gpusPerNode": first.gpu_count,
             "gpus": gpus,
             "ramGibPerNode": first.ram_gib,
             "usdPerHour": usd,
+            "idleUsdPerHour": round(first.usd_per_hour(market) * idle, 3),
         }
         total_usd += usd
+        idle_usd += pools[pool]["idleUsdPerHour"]
         total_gpus += gpus
     return {
         "pools": pools,
         "totalNodes": sum(p["nodes"] for p in pools.values()),
         "totalGpus": total_gpus,
         "totalUsdPerHour": round(total_usd, 3),
+        "idleUsdPerHour": round(idle_usd, 3),
+        "autoscaling": settings.autoscaling.enabled,
         "vcpuQuotasNeeded": vcpu_needs(settings),
         "priceSource": f"{catalog.display_path} ({catalog.region}, as of {catalog.as_of})",
     }

@@ -91,6 +91,19 @@ def autoscaling_group_arn(scope: NodeScope) -> str:
     )
 
 
+def cluster_groups_statement(sid: str, actions: Sequence[str], scope: NodeScope) -> dict:
+    """Auto Scaling actions on this cluster's groups only (tagged raylift:cluster)."""
+    return {
+        "Sid": sid,
+        "Effect": "Allow",
+        "Action": list(actions),
+        "Resource": [autoscaling_group_arn(scope)],
+        "Condition": {
+            "StringEquals": {"autoscaling:ResourceTag/raylift:cluster": scope.cluster_name}
+        },
+    }
+
+
 def node_policy_document(
     bucket_arn: str,
     repository_arns: Sequence[str],
@@ -141,15 +154,7 @@ def node_policy_document(
         },
     ]
     statements.append(
-        {
-            "Sid": "OwnAutoScalingGroup",
-            "Effect": "Allow",
-            "Action": list(AUTOSCALING_SELF_ACTIONS),
-            "Resource": [autoscaling_group_arn(scope)],
-            "Condition": {
-                "StringEquals": {"autoscaling:ResourceTag/raylift:cluster": scope.cluster_name}
-            },
-        }
+        cluster_groups_statement("OwnAutoScalingGroup", AUTOSCALING_SELF_ACTIONS, scope)
     )
     statements.append(
         {
@@ -197,6 +202,31 @@ def head_dns_policy_document(zone_id: str) -> dict:
     }
 
 
+# Ray's autoscaler on the head (trainer/autoscaling/provider.py): read the groups, size them,
+# end one of their instances. The reads have no resource-level permissions.
+AUTOSCALER_READ_ACTIONS = [
+    "autoscaling:DescribeAutoScalingGroups",
+    "autoscaling:DescribeScalingActivities",
+    "ec2:DescribeInstances",
+]
+AUTOSCALER_WRITE_ACTIONS = [
+    "autoscaling:SetDesiredCapacity",
+    "autoscaling:TerminateInstanceInAutoScalingGroup",
+]
+
+
+def head_autoscaler_policy_document(scope: NodeScope) -> dict:
+    """The head sizes this cluster's groups (tagged raylift:cluster) and no other."""
+    read = {
+        "Sid": "AutoscalerRead",
+        "Effect": "Allow",
+        "Action": list(AUTOSCALER_READ_ACTIONS),
+        "Resource": "*",
+    }
+    size = cluster_groups_statement("AutoscalerSize", AUTOSCALER_WRITE_ACTIONS, scope)
+    return {"Version": "2012-10-17", "Statement": [read, size]}
+
+
 @dataclass(frozen=True)
 class NodeIamArgs:
     cluster_name: str
@@ -206,6 +236,8 @@ class NodeIamArgs:
     zone_id: pulumi.Input[str]
     scope: NodeScope
     tags: dict[str, str] = field(default_factory=dict)
+    # The head runs Ray's autoscaler over the pools (raylift:autoscaling.enabled).
+    autoscaling: bool = True
 
 
 class NodeIam(pulumi.ComponentResource):
@@ -251,6 +283,15 @@ class NodeIam(pulumi.ComponentResource):
                     opts=child,
                 )
                 self.boot_dependencies.append(dns_policy)
+                if args.autoscaling:
+                    self.boot_dependencies.append(
+                        aws.iam.RolePolicy(
+                            f"{name}-head-autoscaler",
+                            role=role.id,
+                            policy=json.dumps(head_autoscaler_policy_document(args.scope)),
+                            opts=child,
+                        )
+                    )
             profile = aws.iam.InstanceProfile(
                 f"{name}-{role_name}",
                 name_prefix=f"{args.cluster_name}-{role_name}-"[:38],

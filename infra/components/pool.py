@@ -1,7 +1,12 @@
 """A Ray node pool: one launch template + one Auto Scaling group.
 
-ASGs (not Ray's autoscaler) hold each pool at its configured size: AWS replaces a dead or
-reclaimed node, and the node's systemd unit rejoins the cluster on its own. Launch templates
+Ray's autoscaler on the head decides how many nodes a worker pool holds (between minNodes and
+maxNodes) through the group's desired capacity; the group decides which instances: AWS
+replaces a dead or reclaimed node, and the node's systemd unit rejoins the cluster on its own.
+So `pulumi up` never resets a running pool (it ignores desired capacity after creating the
+group), and new instances are protected from scale-in: only the autoscaler, which knows which
+node is idle, picks the node to end. The head, and every pool of a stack without autoscaling,
+holds a fixed size (min = max = desired). Launch templates
 require IMDSv2 (SSRF in a training script can't steal the role's credentials with a plain GET)
 with hop limit 2 so the container, one network hop further, can still fetch credentials, and
 encrypt the root volume that holds images and local checkpoint staging.
@@ -62,6 +67,12 @@ class PoolArgs:
     # Resources that must exist before any instance of the pool boots.
     boot_dependencies: Sequence[pulumi.Resource] = ()
     tags: Mapping[str, str] = field(default_factory=dict)
+    # Sized by Ray's autoscaler between min_size and `size` (its max); None: fixed at `size`.
+    min_size: int | None = None
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.min_size is not None
 
 
 def spot_instances_distribution() -> dict:
@@ -153,9 +164,11 @@ class RayPool(pulumi.ComponentResource):
         asg = aws.autoscaling.Group(
             f"{name}-asg",
             name_prefix=f"{args.cluster_name}-{args.pool}-",
-            min_size=args.size,
+            min_size=args.min_size if args.autoscaled else args.size,
             max_size=args.size,
-            desired_capacity=args.size,
+            # Where the autoscaler starts; it owns the number from then on (ignore_changes).
+            desired_capacity=args.min_size if args.autoscaled else args.size,
+            protect_from_scale_in=args.autoscaled,
             vpc_zone_identifiers=list(args.subnet_ids),
             health_check_type="EC2",
             health_check_grace_period=600,
@@ -171,7 +184,11 @@ class RayPool(pulumi.ComponentResource):
                 {"key": k, "value": v, "propagate_at_launch": True}
                 for k, v in sorted(node_tags.items())
             ],
-            opts=pulumi.ResourceOptions(parent=self, depends_on=list(args.boot_dependencies)),
+            opts=pulumi.ResourceOptions(
+                parent=self,
+                depends_on=list(args.boot_dependencies),
+                ignore_changes=["desiredCapacity"] if args.autoscaled else None,
+            ),
             **group_args,
         )
         if args.role == "worker":

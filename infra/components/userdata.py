@@ -30,6 +30,8 @@ RETRY_DELAY_S = 10
 IMDS_ENDPOINT = "http://169.254.169.254"
 AGENT_INTERVAL_S = 5
 AGENT_MARGIN_S = 15
+# Where the head's autoscaling config lives, on the host and (mounted) in the container.
+AUTOSCALER_CONFIG_PATH = "/etc/raylift/autoscaler.yaml"
 
 
 def sq(value: str) -> str:
@@ -65,6 +67,10 @@ class NodeBootstrap:
     hosted_zone_id: str | None = None
     # The termination lifecycle hook the node agent completes; None where the pool has none.
     lifecycle_hook: str | None = None
+    # Head only, with autoscaling: Ray's autoscaling config (YAML) and the environment its
+    # Ray runs with (autoscaler v2 on, the launch timeout).
+    autoscaler_config: str | None = None
+    autoscaler_env: Mapping[str, str] = field(default_factory=dict)
 
 
 def format_labels(labels: Mapping[str, str]) -> str:
@@ -94,6 +100,7 @@ def _role_args(node: NodeBootstrap) -> list[str]:
             "--dashboard-host=0.0.0.0",
             f"--dashboard-port={r.dashboard_port}",
             f"--ray-client-server-port={r.client_server_port}",
+            *([f"--autoscaling-config={AUTOSCALER_CONFIG_PATH}"] if node.autoscaler_config else []),
         ]
     return [f"--address={node.head_fqdn}:{r.gcs_port}"]
 
@@ -140,6 +147,10 @@ def render_user_data(node: NodeBootstrap) -> str:
         "METRICS_EXPORT_PORT": str(r.metrics_export_port),
         "MIN_WORKER_PORT": str(r.min_worker_port),
         "MAX_WORKER_PORT": str(r.max_worker_port),
+        "AUTOSCALER_CONFIG": q(node.autoscaler_config or ""),
+        "AUTOSCALER_ENV_ARGS": " ".join(
+            f"-e {q(f'{k}={v}')}" for k, v in sorted(node.autoscaler_env.items())
+        ),
     }
     template = _Template(TEMPLATE_PATH.read_text(encoding="utf-8"))
     used = {m.group("braced") for m in template.pattern.finditer(template.template)} - {None}

@@ -93,20 +93,22 @@ def data_settings(cfg: JobConfig) -> Settings:
 
 
 def _rank0_selector(cfg: JobConfig) -> list[dict[str, str]] | None:
-    """Per-worker label selectors that put rank 0 on a labelled node, only if the cluster
-    has such a node alive; otherwise no constraint (a local or small cluster still runs)."""
+    """Per-worker label selectors that put rank 0 on a labelled node when the cluster has one
+    alive or its autoscaler can launch one (trainer.autoscaling.placement); otherwise none."""
     want = cfg.scaling.rank0_label
     if not want:
         return None
     import ray
 
-    for node in ray.nodes():
-        labels = node.get("Labels") or {}
-        if node.get("Alive") and all(labels.get(k) == v for k, v in want.items()):
-            log.info("rank 0 → node %s (labels %s)", node.get("NodeManagerAddress"), want)
-            return [dict(want)] + [{} for _ in range(cfg.scaling.max_workers - 1)]
-    log.info("no node labelled %s; rank 0 placed freely", want)
-    return None
+    from trainer.autoscaling.placement import launchable_labels, rank0_selector
+
+    live = [n.get("Labels") or {} for n in ray.nodes() if n.get("Alive")]
+    selector = rank0_selector(want, cfg.scaling.max_workers, live, launchable_labels())
+    log.info(
+        "rank 0 → a node labelled %s" if selector else "no node labelled %s; rank 0 placed freely",
+        want,
+    )
+    return selector
 
 
 def _connect_ray() -> None:

@@ -98,9 +98,17 @@ class Pool:
 
     @property
     def size(self) -> int:
-        i = self.asg["inputs"]
-        assert i["minSize"] == i["maxSize"] == i["desiredCapacity"], i
-        return int(i["desiredCapacity"])
+        """The most nodes the pool may hold (its fixed size without autoscaling)."""
+        return int(self.asg["inputs"]["maxSize"])
+
+    @property
+    def min_size(self) -> int:
+        return int(self.asg["inputs"]["minSize"])
+
+    @property
+    def autoscaled(self) -> bool:
+        """Sized by Ray's autoscaler: desired capacity is the autoscaler's, not the stack's."""
+        return "desiredCapacity" in self.asg.get("ignoreChanges", [])
 
 
 @dataclass

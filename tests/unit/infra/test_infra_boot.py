@@ -85,6 +85,9 @@ def test_node_env_is_the_agent_contract(tmp_path: Path) -> None:
         "RAYLIFT_IMDS_ENDPOINT": "http://169.254.169.254",
         "RAYLIFT_AGENT_INTERVAL_S": "5",
         "RAYLIFT_AGENT_MARGIN_S": "15",
+        # Ray's autoscaler v2 matches the node to its instance and its pool's node type.
+        "RAY_CLOUD_INSTANCE_ID": "i-0abc123",
+        "RAY_NODE_TYPE_NAME": "gpu-spot",
     }
     for folder in ("ray", "cache"):
         path = f"{run.root}/var/lib/raylift/{folder}"
