@@ -3,7 +3,6 @@ Ray cluster on 127.0.0.1, and a SeaweedFS S3 server on 127.0.0.1."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -14,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support.jobs import ROOT, base_job
+from tests.support.jobs import ROOT, base_job, write_job
 from tests.support.s3 import S3_KEY, S3_SECRET, WeedServer
 
 # Everything the tests start (local Ray clusters, their job drivers and workers, torchrun)
@@ -59,7 +58,10 @@ LONGEST_FIRST = (
     "test_strategies.py",
     "test_faults.py",
     "test_ray_train.py",
+    "test_adapters_sharded.py",
     "test_gpucheck_cpu.py",
+    "test_autoscaling.py",
+    "test_parallel.py",
     "test_packing_loop.py",
     "test_job_cli.py",
     "test_data_cluster.py",
@@ -113,12 +115,7 @@ def job(tiny: dict[str, Path], tmp_path: Path):
     """Factory: job(name, **section_overrides) → path of a written job YAML."""
 
     def make(name: str = "t", **sections: dict[str, Any]) -> Path:
-        data = copy.deepcopy(base_job(tiny, tmp_path / "runs", name))
-        for section, values in sections.items():
-            data.setdefault(section, {}).update(values)
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(data))
-        return path
+        return write_job(tiny, tmp_path, name, **sections)
 
     return make
 
@@ -129,7 +126,7 @@ def ddp_reference(ray_cluster, tiny, tmp_path_factory):
     against it (the DDP checks themselves, exact resume, the other strategies' curves):
     each Ray job costs ~45 s of fixed start-up on the CI machine."""
     from tests.support.ray_jobs import run_to_end
-    from tools import submit
+    from tools.jobcli import submit
     from trainer.config import load_config
 
     def build(root: Path) -> dict[str, Any]:

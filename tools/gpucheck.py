@@ -49,6 +49,11 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "ddp": {"strategy": {"name": "ddp"}},
     "fsdp": {"strategy": {"name": "fsdp"}},
     "fsdp_ac": {"strategy": {"name": "fsdp", "activation_checkpointing": True}},
+    # Adapters sharded: the frozen base split over the ranks (torchao NF4 under FSDP2).
+    # Before ZeRO-3 runs: on CPU every job shares one process, and ZeRO-3's partitioned
+    # init leaves torch's F.linear patched for the rest of it.
+    "fsdp_lora": {"strategy": {"name": "fsdp"}, "model": {"adapter": "lora"}, "lr": 1e-2},
+    "fsdp_qlora": {"strategy": {"name": "fsdp"}, "model": {"adapter": "qlora"}, "lr": 1e-2},
     "zero2": {"strategy": {"name": "deepspeed", "config": "zero2"}},
     "zero3": {"strategy": {"name": "deepspeed", "config": "zero3"}},
     "zero3_offload": {"strategy": {"name": "deepspeed", "config": "zero3_offload"}},
@@ -59,7 +64,16 @@ STRATEGIES: dict[str, dict[str, Any]] = {
         "optim": {"name": "adamw8bit"},
         "lr": 1e-2,
     },
+    "zero3_lora": {
+        "strategy": {"name": "deepspeed", "config": "zero3"},
+        "model": {"adapter": "lora"},
+        "lr": 1e-2,
+    },
 }
+
+
+def has_adapter(name: str) -> bool:
+    return STRATEGIES[name].get("model", {}).get("adapter", "none") != "none"
 
 
 @dataclass(frozen=True)
@@ -441,7 +455,7 @@ def collect(job: Job, rc: int, log: Path, peak: float | None) -> dict[str, Any]:
     export = Path(ranks[0]["summary"]["export"])
     probe = json.loads((job.storage / cfg.run.name / "final_probe.json").read_text())
     try:
-        adapter = name in ("lora", "qlora")
+        adapter = has_adapter(name)
         reload_export(export, Path(job.assets["model"]), adapter, probe["input_ids"])
         result["export_ok"], result["export_error"] = True, None
     except Exception as exc:  # reported, and judged a failure

@@ -66,7 +66,8 @@ class ModelSection(_Section):
     adapter: Literal["none", "lora", "qlora"] = Field(
         default="none",
         description="none: train every weight. lora: train low-rank adapters on a frozen base "
-        "loaded in the compute dtype. qlora: the same over a 4-bit nf4 base (bitsandbytes).",
+        "loaded in the compute dtype. qlora: the same over a 4-bit nf4 base (bitsandbytes with "
+        "ddp, torchao's NF4 sharded with fsdp).",
     )
     lora: LoraSection = Field(
         default_factory=LoraSection, description="Adapter options (lora/qlora)."
@@ -578,6 +579,28 @@ class JobConfig(_Section):
             )
         return data
 
+    def _check_adapter(self) -> None:
+        """Adapters compose with every strategy, within these limits (each one line)."""
+        adapter, s = self.model.adapter, self.strategy
+        if isinstance(s, FSDPOptions):
+            if s.tp > 1 or s.pp > 1:
+                raise ValueError(
+                    f"model.adapter: {adapter} with strategy.tp/pp > 1 is not supported in "
+                    "this build (adapters shard over FSDP2's data-parallel dim only); "
+                    "use tp = pp = 1"
+                )
+            if adapter == "qlora" and s.cpu_offload:
+                raise ValueError(
+                    "strategy.cpu_offload: not supported with model.adapter qlora (the NF4 "
+                    "base is already 4-bit and sharded); set cpu_offload false"
+                )
+        if s.name == "deepspeed" and adapter == "qlora":
+            raise ValueError(
+                "model.adapter: qlora is not supported with strategy deepspeed (ZeRO "
+                "cannot partition a 4-bit base); use strategy fsdp (NF4 base, sharded) or "
+                "adapter lora"
+            )
+
     @model_validator(mode="after")
     def _combinations(self) -> JobConfig:
         t, s = self.train, self.scaling
@@ -603,15 +626,8 @@ class JobConfig(_Section):
                 "data.attention: document is not supported with strategy.pp > 1 in this build "
                 "(pipeline stages build their own causal mask); use causal or pp = 1"
             )
-        if self.model.adapter != "none" and self.strategy.name != "ddp":
-            # The sharded strategies build the model without PEFT (FSDP2's meta-device
-            # skeleton, ZeRO-3's partitioned init), so they would train every weight.
-            raise ValueError(
-                f"model.adapter: {self.model.adapter} works with strategy ddp only in this "
-                f"build ({self.strategy.name} loads the model without adapters and would "
-                "train every weight); use strategy ddp (the frozen base is replicated: "
-                "about 4 GB for a 4-bit 7B) or model.adapter none"
-            )
+        if self.model.adapter != "none":
+            self._check_adapter()
         if t.global_batch_size is not None:
             per_step = t.micro_batch_size * self.data_parallel
             if t.global_batch_size % per_step:

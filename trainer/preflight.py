@@ -62,6 +62,7 @@ def check_model(cfg: JobConfig, strict: bool, report: Report) -> None:
         from trainer.parallel.layout import check_model_layout
 
         check_model_layout(cfg.strategy, mcfg, src)
+    check_nf4_shards(cfg, mcfg, src)
     if isinstance(limit, int) and cfg.data.block_size > limit:
         raise ConfigError(
             f"data.block_size: {cfg.data.block_size} exceeds the model's "
@@ -73,6 +74,28 @@ def check_model(cfg: JobConfig, strict: bool, report: Report) -> None:
             raise UserError(
                 f"model.path {d}: no tokenizer.json; set model.tokenizer to a folder with one"
             )
+
+
+def check_nf4_shards(cfg: JobConfig, mcfg: dict, src: str) -> None:
+    """QLoRA on FSDP2 shards every 4-bit weight by rows, whole scale groups per rank
+    (trainer.model.nf4_layout): a model or world size that cannot is refused here, in one line,
+    not by an assertion deep in torchao on every worker."""
+    if cfg.model.adapter != "qlora" or cfg.strategy.name != "fsdp":
+        return
+    from trainer.model.nf4_layout import shard_problem
+    from trainer.planner.shape import ModelShape
+
+    shape = ModelShape.from_hf_config(mcfg, src)
+    sizes = sorted({cfg.data_parallel, cfg.scaling.min_workers // cfg.model_parallel})
+    for name, (cols, rows) in shape.linear_shapes().items():
+        for dp in sizes:
+            problem = shard_problem(rows, cols, dp)
+            if problem:
+                raise ConfigError(
+                    f"model.adapter qlora with strategy fsdp: {name} ({rows}×{cols}, {src}) "
+                    f"cannot be sharded in NF4 over {dp} workers: {problem}; use another "
+                    "scaling.num_workers, or strategy ddp"
+                )
 
 
 def check_data_file(path: str, what: str, strict: bool, on_bad_line: str, report: Report) -> None:

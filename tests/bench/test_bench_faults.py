@@ -38,7 +38,7 @@ from tests.bench.benchutil import Check, optional_env_int, run_benchmark, size, 
 from tests.support.jobs import base_job
 from tests.support.ray_jobs import history, launch, run_to_end, train_workers
 from tests.support.s3 import S3_KEY, S3_SECRET, WeedServer
-from tools import submit
+from tools.jobcli.follow import follow
 from tools.tiny import build_all
 from trainer.observability.metrics import read_records
 from trainer.resilience import journal
@@ -86,7 +86,7 @@ def test_recovery_after_a_worker_kill(ray_cluster, tmp_path):
             time.sleep(0.02)
         os.kill(train_workers(client, job_id)[1].pid, signal.SIGKILL)
         killed = time.time()
-        status, _ = submit.follow(client, job_id, progress=False)
+        status, _ = follow(client, job_id, progress=False)
         assert status == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]
         records = read_records(metrics)
         first_new = min(r["time"] for r in records if r.get("attempt") == 2 and "loss" in r)

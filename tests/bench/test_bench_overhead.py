@@ -83,7 +83,8 @@ def _per_train_cpu(run: dict[str, float]) -> float:
 
 
 def test_trainer_overhead(ray_cluster, tmp_path):
-    from tools import submit
+    from tools.jobcli import submit
+    from tools.jobcli.follow import follow
     from trainer.config import load_config
     from trainer.model.loading import load_tokenizer
     from trainer.runtime.launch import prepare_inputs
@@ -145,7 +146,7 @@ def test_trainer_overhead(ray_cluster, tmp_path):
     def raylift_ray(i: int) -> dict[str, float]:
         cfg = load_config(path, [f"run.name=ray-{i}"])
         client, job_id = submit.submit(cfg, cluster.dashboard_url, token=cluster.token)
-        status, _ = submit.follow(client, job_id, progress=False)
+        status, _ = follow(client, job_id, progress=False)
         assert status == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]
         return tps(f"ray-{i}")
 

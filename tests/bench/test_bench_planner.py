@@ -36,6 +36,18 @@ CASES: dict[str, dict[str, Any]] = {
     "ddp_b8_s128": {"strategy": {"name": "ddp"}, "micro": 8, "block": 128},
     "fsdp_b4_s256": {"strategy": {"name": "fsdp"}, "micro": 4, "block": 256},
     "lora_b4_s256": {"strategy": {"name": "ddp"}, "micro": 4, "block": 256, "adapter": "lora"},
+    "fsdp_lora_b4_s256": {
+        "strategy": {"name": "fsdp"},
+        "micro": 4,
+        "block": 256,
+        "adapter": "lora",
+    },
+    "fsdp_qlora_b4_s256": {
+        "strategy": {"name": "fsdp"},
+        "micro": 4,
+        "block": 256,
+        "adapter": "qlora",
+    },
 }
 
 

@@ -21,9 +21,6 @@ from trainer.storage.location import resolve
 pytestmark = pytest.mark.slow
 
 
-# The job helpers live in tests/support/ray_jobs.py (re-exported: other modules import them here).
-
-
 def test_ddp_run_lowers_loss_and_exports_loadable_hf_checkpoint(ddp_reference):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

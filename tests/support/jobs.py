@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+import json
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository."""
@@ -31,3 +35,47 @@ def base_job(tiny: dict[str, Path], storage: Path | str, name: str) -> dict[str,
         "storage": {"path": str(storage)},
         "run": {"name": name, "max_failures": 2},
     }
+
+
+def write_job(tiny: dict[str, Path], root: Path, name: str, **sections: dict[str, Any]) -> Path:
+    """`root/<name>.yaml`: the base job (runs under `root/runs`), each section updated."""
+    data = copy.deepcopy(base_job(tiny, root / "runs", name))
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+LLAMA2_7B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "intermediate_size": 11008,
+    "vocab_size": 32000,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 4096,
+}
+"""Llama-2-7B's config.json, the planner tests' reference shape."""
+
+
+def llama7b_job(tmp_path: Path, **extra: object) -> Path:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(LLAMA2_7B))
+    (model / "tokenizer.json").write_text("{}")
+    (tmp_path / "train.jsonl").write_text('{"text": "hello"}\n')
+    job = {
+        "model": {"path": str(model)},
+        "data": {"train_file": str(tmp_path / "train.jsonl"), "block_size": 512},
+        "train": {"precision": "bf16"},
+        "scaling": {"num_workers": 1, "use_gpu": True},
+        "storage": {"path": str(tmp_path / "runs")},
+        "run": {"name": "plan-test"},
+        **extra,
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps(job))
+    return path

@@ -82,16 +82,12 @@ def test_contradicting_grad_accum(tmp_path):
         (["strategy.name=zero9"], "strategy.name: 'zero9' is not available"),
         (["train.strategy=fsdp"], "train.strategy moved to its own section"),
         (
-            ["strategy.name=fsdp", "model.adapter=lora"],
-            "model.adapter: lora works with strategy ddp only in this build (fsdp loads",
+            ["strategy.name=fsdp", "strategy.tp=2", "model.adapter=lora"],
+            "model.adapter: lora with strategy.tp/pp > 1 is not supported in this build",
         ),
         (
-            ["strategy.name=fsdp", "model.adapter=qlora"],
-            "model.adapter: qlora works with strategy ddp only",
-        ),
-        (
-            ["strategy.name=deepspeed", "model.adapter=lora"],
-            "(deepspeed loads the model without adapters and would train every weight)",
+            ["strategy.name=deepspeed", "model.adapter=qlora"],
+            "model.adapter: qlora is not supported with strategy deepspeed",
         ),
         (
             ["strategy.name=deepspeed", "train.compile=true"],

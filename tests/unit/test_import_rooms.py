@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.unit.test_plan import _job
+from tests.support.jobs import llama7b_job
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "ray", "numpy", "pyarrow")
@@ -38,7 +38,7 @@ BLOCKER = textwrap.dedent(
 
 
 def test_laptop_path_runs_without_torch_ray_numpy_or_pyarrow(tmp_path: Path) -> None:
-    job = _job(tmp_path)  # the planner tests' Llama-2-7B job
+    job = llama7b_job(tmp_path)  # the planner tests' Llama-2-7B job
     code = BLOCKER + textwrap.dedent(
         f"""
         import importlib, json, sys

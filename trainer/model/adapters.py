@@ -5,11 +5,19 @@ dtype: it is never updated, so no fp32 master copy is needed) and trains low-ran
 adapters; `qlora` does the same over a 4-bit nf4 base with double quantization. When the
 job adds special tokens the new embedding rows must be learned, so the input and output
 embeddings are trained in full too (`modules_to_save`); the adapter folder then holds them.
+
+Every strategy builds the same adapter: lora_A's initial values come from a generator
+seeded by the job's seed and the parameter's name (never the global RNG), so DDP, FSDP2
+(which builds the adapters on the meta device and does not broadcast) and ZeRO-3 start
+from identical weights. The 4-bit format depends on the strategy: DDP's QLoRA base is
+bitsandbytes' nf4; FSDP2's is torchao's NF4 (trainer.model.nf4), which shards.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -70,15 +78,20 @@ def keep_4bit_layout(model: torch.nn.Module) -> int:
     return n
 
 
-def apply(model: Any, cfg: JobConfig, grew_vocab: bool) -> Any:
-    """Wrap the loaded base in a PEFT model with the configured adapters."""
+def apply(model: Any, cfg: JobConfig, grew_vocab: bool, kbit: bool | None = None) -> Any:
+    """Wrap the loaded base in a PEFT model with the configured adapters. `kbit`: prepare
+    a bitsandbytes 4-bit base (DDP's QLoRA; by default when the adapter is qlora). The
+    adapters get their deterministic initial values unless the model is a meta skeleton
+    (FSDP2 loads them with the base: `initial_value`)."""
     try:
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     except ImportError:
         raise UserError(
             f"model.adapter {cfg.model.adapter}: peft is not installed (use the trainer image)"
         ) from None
-    if cfg.model.adapter == "qlora":
+    if kbit is None:
+        kbit = cfg.model.adapter == "qlora"
+    if kbit:
         keep_4bit_layout(model)
         model = prepare_model_for_kbit_training(
             model,
@@ -98,16 +111,70 @@ def apply(model: Any, cfg: JobConfig, grew_vocab: bool) -> Any:
         lora_alpha=lo.alpha,
         lora_dropout=lo.dropout,
         target_modules=list(lo.target_modules),
-        modules_to_save=_embedding_names(model) if grew_vocab else None,
+        modules_to_save=embedding_names(model) if grew_vocab else None,
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, peft_cfg)
-    if cfg.model.gradient_checkpointing and cfg.model.adapter == "lora":
+    if cfg.model.gradient_checkpointing and not kbit:
         model.enable_input_require_grads()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if is_adapter_weight(name) and p.device.type != "meta":
+                p.copy_(initial_value(name, tuple(p.shape), cfg.train.seed).to(p.dtype))
     return model
 
 
-def _embedding_names(model: Any) -> list[str]:
+def is_adapter_weight(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def initial_value(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """An adapter weight's initial value, the same in every strategy and on every rank:
+    peft's own init (kaiming-uniform A, zero B) from a generator seeded by the job's seed
+    and the weight's name."""
+    if ".lora_B." in name:
+        return torch.zeros(shape)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    out = torch.empty(shape)
+    torch.nn.init.kaiming_uniform_(out, a=math.sqrt(5), generator=gen)
+    return out
+
+
+_PEFT_PARTS = (".base_layer", ".original_module", ".modules_to_save.default")
+
+
+def base_name(peft_name: str) -> str:
+    """The Hugging Face checkpoint's name for a PEFT model's frozen or copied weight
+    (`base_model.model.x.q_proj.base_layer.weight` → `x.q_proj.weight`)."""
+    name = peft_name.removeprefix("base_model.model.")
+    for part in _PEFT_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def full_weights(
+    names: list[str], shapes: dict[str, tuple[int, ...]], weights: dict[str, Any], seed: int
+) -> dict[str, Any]:
+    """A PEFT model's full state (by its names) from the base checkpoint's weights and the
+    adapters' initial values; what FSDP2 loads into its sharded skeleton."""
+    out: dict[str, Any] = {}
+    for name in names:
+        if is_adapter_weight(name):
+            out[name] = initial_value(name, shapes[name], seed)
+        elif base_name(name) in weights:
+            out[name] = weights[base_name(name)]
+    return out
+
+
+def grew_vocab(model_dir: Path, vocab_size: int) -> bool:
+    """Whether the job's special tokens grow the vocabulary (their rows then train)."""
+    from trainer.model import hfconfig
+
+    return vocab_size > int(hfconfig.read_local(model_dir)["vocab_size"])
+
+
+def embedding_names(model: Any) -> list[str]:
+    """The short names of the input and output embedding modules (embed_tokens, lm_head)."""
     out = []
     for getter in (model.get_input_embeddings, model.get_output_embeddings):
         module = getter()
@@ -137,12 +204,23 @@ def load_trainable(model: torch.nn.Module, state: dict[str, torch.Tensor], where
             params[n].copy_(t)
 
 
-def export(model: Any, out: Path, tokenizer: Any, cfg: JobConfig, source_dir: Path) -> None:
+def export(
+    model: Any,
+    out: Path,
+    tokenizer: Any,
+    cfg: JobConfig,
+    source_dir: Path,
+    state_dict: dict[str, Any] | None = None,
+) -> None:
     """`out/adapter/`: a PEFT adapter folder (+ tokenizer). With lora.merge_on_export,
     also `out/model_merged/`: the full-precision base with the adapter merged in, built
-    from a fresh copy of the base so training is not disturbed."""
+    from a fresh copy of the base so training is not disturbed. A sharded strategy hands
+    in the trainable weights it gathered (`state_dict`, PEFT names)."""
     adapter_dir = out / ADAPTER_DIR
-    model.save_pretrained(str(adapter_dir))
+    if state_dict is None:
+        model.save_pretrained(str(adapter_dir))
+    else:
+        model.save_pretrained(str(adapter_dir), state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(adapter_dir))
     if not cfg.model.lora.merge_on_export:

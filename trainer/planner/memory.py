@@ -224,7 +224,10 @@ def rank_memory(shape: ModelShape, s: Setup) -> RankMemory:
     held = 0.0
     if s.adapter != "none":
         w, g, opt, notes = _adapter_memory(shape, s)
-        held = g / 2 if s.world > 1 else 0.0  # DDP's buckets for the adapter gradients
+        if s.strategy == "ddp":
+            held = g / 2 if s.world > 1 else 0.0  # DDP's buckets for the adapter gradients
+        elif s.strategy != "fsdp":
+            held = g  # ZeRO's gradient partitions and reduce buckets
     elif s.strategy == "ddp":
         w = 4.0 * m
         if s.mixed:
@@ -358,7 +361,9 @@ def communication(shape: ModelShape, s: Setup) -> dict[str, float]:
     tp <= GPUs per node); dp traffic crosses nodes as soon as there is more than one."""
     c, a = s.c, s.grad_accum
     tokens = s.micro_batch * s.block_size
-    if s.strategy == "ddp" or s.adapter != "none":
+    if s.adapter != "none":
+        return {"dp": _adapter_traffic(shape, s), "tp": 0.0, "pp": 0.0}
+    if s.strategy == "ddp":
         n = s.world
         return {"dp": 2 * 4.0 * shape.params * (n - 1) / n, "tp": 0.0, "pp": 0.0}
     if s.strategy != "fsdp":
@@ -373,15 +378,61 @@ def communication(shape: ModelShape, s: Setup) -> dict[str, float]:
     return {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_bytes}
 
 
-def _adapter_memory(shape: ModelShape, s: Setup) -> tuple[float, float, float, list[str]]:
-    """Frozen base + trainable adapters (replicated: adapters compose with DDP)."""
-    m, c = shape.params, s.c
+def _adapter_traffic(shape: ModelShape, s: Setup) -> float:
+    """Adapters: DDP all-reduces the adapter gradients; FSDP2 and ZeRO-3 also all-gather
+    the frozen base (NF4 under QLoRA) in forward and again in backward, each micro step."""
+    n = s.world
     lora = shape.lora_params(s.lora_r, list(s.lora_targets))
+    share = (n - 1) / n
+    if s.strategy in ("ddp", "zero2"):
+        return 2 * 4.0 * lora * share
+    quantized = shape.layers * shape.layer_linear_params
     if s.adapter == "qlora":
-        quantized = shape.layers * shape.layer_linear_params
+        base = QLORA_BYTES_PER_PARAM * quantized + s.c * (shape.params - quantized)
+    else:
+        base = float(s.c * shape.params)
+    return (s.grad_accum * 2 * (base + s.c * lora) + 4.0 * lora) * share
+
+
+def _adapter_memory(shape: ModelShape, s: Setup) -> tuple[float, float, float, list[str]]:
+    """Frozen base + trainable adapters. DDP replicates both; FSDP2 shards both over the
+    ranks (the base in NF4 under QLoRA: 4-bit data, block scales and their factors, all
+    sharded) and gathers one layer at a time; ZeRO-2 shards the adapters' gradients and
+    optimizer state, ZeRO-3 the base and the adapters too."""
+    m, c, n = shape.params, s.c, s.world
+    lora = shape.lora_params(s.lora_r, list(s.lora_targets))
+    quantized = shape.layers * shape.layer_linear_params
+    widest = max(a * b for a, b in shape.linear_shapes().values())
+    layer_lora = lora / max(shape.layers, 1)
+    if s.strategy == "fsdp":
+        if s.adapter == "qlora":
+            layer = QLORA_BYTES_PER_PARAM * shape.layer_linear_params
+            shards = QLORA_BYTES_PER_PARAM * quantized + c * (m - quantized)
+            # NF4 dequantizes one weight at a time to the compute dtype for its matmul.
+            gathered = 2 * layer + c * widest + c * shape.root_params
+            notes = ["NF4 base (torchao), sharded; two layers gathered in flight"]
+        else:
+            shards = float(c * m)
+            gathered = c * (2 * shape.layer_params + shape.root_params)
+            notes = ["frozen base sharded; two layers gathered in flight"]
+        weights = shards / n + gathered + 4.0 * lora / n + 4.0 * 2 * layer_lora
+        grads = 4.0 * lora / n + 4.0 * layer_lora  # a layer's unsharded grads before reduce-scatter
+        return weights, grads, float(s.optim_bytes * lora / n), notes
+    if s.strategy in ("zero2", "zero3"):
+        bucket = 2 * c * shape.hidden**2
+        if s.strategy == "zero3":
+            biggest = max(shape.layer_params, shape.embedding_params)
+            weights = c * (m + lora) / n + c * 2 * biggest
+            notes = ["frozen base and adapters partitioned; two modules gathered in flight"]
+        else:
+            weights = float(c * (m + lora))
+            notes = ["frozen base replicated; adapter gradients and optimizer partitioned"]
+        master = 4 if s.mixed else 0
+        return weights, c * lora / n + bucket, float((master + s.optim_bytes) * lora / n), notes
+    if s.adapter == "qlora":
         base = QLORA_BYTES_PER_PARAM * quantized + 4.0 * (m - quantized)
         # bitsandbytes dequantizes one weight at a time to the compute dtype for its matmul.
-        base += c * max(a * b for a, b in shape.linear_shapes().values())
+        base += c * widest
         notes = [
             "4-bit nf4 linears with double quantization; embeddings, lm_head and norms in "
             "fp32 (prepare_model_for_kbit_training)"
@@ -390,7 +441,7 @@ def _adapter_memory(shape: ModelShape, s: Setup) -> tuple[float, float, float, l
         base = float(c * m)
         notes = ["frozen base in the compute dtype"]
     weights = base + 4.0 * lora
-    grads = 4.0 * lora * (2 if s.world > 1 else 1)
+    grads = 4.0 * lora * (2 if n > 1 else 1)
     return weights, grads, float(s.optim_bytes * lora), notes
 
 
@@ -416,7 +467,9 @@ def host_memory(shape: ModelShape, s: Setup, rank: RankMemory) -> HostMemory:
         if s.strategy == "zero3" and s.offload_param == "cpu":
             offload += c * m / n  # the compute-dtype parameter partition
     # Loading: DDP and ZeRO-2 build the whole model in host RAM on every rank, then move it.
-    if s.adapter == "lora":
+    if s.adapter != "none" and s.strategy in ("fsdp", "zero3"):
+        load = 0.0  # meta skeleton + mmapped weights, one tensor at a time; partitioned init
+    elif s.adapter == "lora":
         load = float(c * m)
     elif s.adapter == "qlora":
         load = 0.0  # quantized shard by shard onto the GPU
@@ -442,7 +495,9 @@ def _staging_bytes(shape: ModelShape, s: Setup) -> dict[str, float]:
     state dict in the compute dtype (ZeRO-3 saves placeholders there)."""
     if s.adapter != "none":
         lora = shape.lora_params(s.lora_r, list(s.lora_targets))
-        return {"staging_rank0": float((4 + s.optim_bytes) * lora)}
+        if s.strategy == "ddp":
+            return {"staging_rank0": float((4 + s.optim_bytes) * lora)}
+        return {"staging": float((4 + s.optim_bytes) * lora / s.world)}  # each rank's share
     if s.strategy == "ddp":
         return {"staging_rank0": float((4 + s.optim_bytes) * shape.params)}
     if s.strategy == "fsdp":

@@ -111,17 +111,22 @@ def build_strategy(cfg: JobConfig, device: torch.device, rank: int, world_size: 
     raise ValueError(f"strategy.name: unknown strategy {name!r}")
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def param_groups(
+    model: torch.nn.Module, weight_decay: float, keep_empty: bool = True
+) -> list[dict[str, Any]]:
     """Decay matrices, not biases or norm weights (the usual LLM recipe). A ZeRO-3
     parameter is an empty placeholder on every rank (its partition is elsewhere), so
-    its shape is DeepSpeed's `ds_shape`, not the placeholder's."""
+    its shape is DeepSpeed's `ds_shape`, not the placeholder's. Adapters have only
+    matrices: `keep_empty=False` drops the empty group, which DCP's flattened optimizer
+    state and ZeRO cannot load (DDP keeps it: its adapter checkpoints hold two groups)."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if not p.requires_grad:
             continue
         ndim = len(getattr(p, "ds_shape", p.shape))
         (decay if ndim >= 2 else no_decay).append(p)
-    return [
+    groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    return [g for g in groups if keep_empty or g["params"]]

@@ -13,11 +13,13 @@ from trainer.config import JobConfig
 from trainer.errors import UserError
 
 
-def build_optimizer(cfg: JobConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(
+    cfg: JobConfig, model: torch.nn.Module, keep_empty: bool = True
+) -> torch.optim.Optimizer:
     from trainer.strategies.base import param_groups
 
     o = cfg.optim
-    groups = param_groups(model, o.weight_decay)
+    groups = param_groups(model, o.weight_decay, keep_empty)
     kwargs: dict[str, Any] = {"lr": o.lr, "betas": o.betas, "eps": o.eps}
     if o.name == "adamw8bit":
         try:
@@ -168,6 +170,10 @@ class StorageCounter:
                 continue
             if hasattr(t, "to_local"):  # DTensor: this rank's shard only
                 t = t.to_local()
+            if type(t).__name__ == "NF4Tensor":  # torchao's 4-bit base (trainer.model.nf4)
+                names, _ = t.__tensor_flatten__()
+                total += self.add(getattr(t, n) for n in names)
+                continue
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if storage.nbytes() == 0 or ptr in self._seen:

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.checkpoint import staging
 from trainer.config import JobConfig
 from trainer.errors import CheckpointError
-from trainer.model import adapters, hfconfig
+from trainer.model import adapters
 from trainer.model.loading import load_model
 from trainer.strategies.base import ModelSource
 from trainer.strategies.common import (
@@ -58,7 +58,7 @@ class DDPStrategy(ModelCalls):
             source.model_dir, cfg, source.vocab_size, dtype=dtype, quantization=quant
         )
         if adapters.enabled(cfg):
-            grew = source.vocab_size > _source_vocab(source.model_dir)
+            grew = adapters.grew_vocab(source.model_dir, source.vocab_size)
             model = adapters.apply(model, cfg, grew_vocab=grew)
             # Trainable weights (adapters, resized embeddings) in fp32: the optimizer's
             # master copy; the frozen base stays in the compute dtype.
@@ -173,7 +173,3 @@ class DDPStrategy(ModelCalls):
 def _write(files: dict[str, Any], out: Path) -> None:
     for name, obj in files.items():
         torch.save(obj, out / name)
-
-
-def _source_vocab(model_dir: Path) -> int:
-    return int(hfconfig.read_local(model_dir)["vocab_size"])

@@ -8,6 +8,12 @@ just its shards, so no rank ever holds the whole model. FSDP does not broadcast 
 weights the way DDP does, so the weights every rank builds must be equal: the grown
 embedding rows come from a seeded generator (trainer.model.loading).
 
+With an adapter (tp = pp = 1), PEFT wraps the skeleton on the meta device; the adapters'
+initial values come from trainer.model.adapters (the same on every rank and strategy),
+and under QLoRA every frozen linear is a torchao NF4 tensor that FSDP2 shards like any
+parameter, filled one weight at a time (trainer.model.nf4). The resume state then holds
+only what trains, and the export is the PEFT adapter folder.
+
 With pp > 1 the strategy's train step runs the pipeline schedule (forward and backward of
 every microbatch together); the loop still sees one call per micro step and a loss.
 
@@ -34,6 +40,7 @@ import torch.distributed as dist
 from trainer.checkpoint import staging
 from trainer.config import FSDPOptions, JobConfig
 from trainer.errors import CheckpointError, UserError
+from trainer.model import adapters, nf4
 from trainer.model.loading import full_state_dict, model_config
 from trainer.strategies.base import ModelSource
 from trainer.strategies.common import (
@@ -62,6 +69,8 @@ class FSDPStrategy(ModelCalls):
         self.dp = world_size // (self.pp * self.tp)
         # Plain FSDP still reads the nested optimizer state it wrote before dcp/2.
         self.reads_layouts: tuple[str, ...] = ("dcp/1",) if self.pp == self.tp == 1 else ()
+        self.adapter = adapters.enabled(cfg)
+        """Adapters: the resume state and the export hold only what trains."""
         self.model: torch.nn.Module
         self.optimizer: torch.optim.Optimizer
         self.parts: list[torch.nn.Module] = []
@@ -76,6 +85,7 @@ class FSDPStrategy(ModelCalls):
             # One process (torchrun with one rank): FSDP still needs a process group.
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         self.mesh = build_mesh(Layout(self.dp, self.pp, self.tp), self.device)
+        self.source_dir = source.model_dir
         conf = model_config(source.model_dir, self.cfg, source.vocab_size)
         std = float(getattr(conf, "initializer_range", 0.02))
         weights = full_state_dict(source.model_dir, source.vocab_size, std, self.cfg.train.seed)
@@ -90,7 +100,8 @@ class FSDPStrategy(ModelCalls):
         else:
             self.stage_ids = [0]
         self.parts = [self._build_part(conf, stage, weights, source) for stage in self.stage_ids]
-        self.optimizers = [build_optimizer(self.cfg, part) for part in self.parts]
+        keep = not self.adapter
+        self.optimizers = [build_optimizer(self.cfg, part, keep) for part in self.parts]
         if len(self.parts) == 1:
             self.model, self.optimizer = self.parts[0], self.optimizers[0]
         else:
@@ -126,6 +137,18 @@ class FSDPStrategy(ModelCalls):
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+        nf4_names: list[str] = []
+        if self.adapter:
+            # PEFT on the meta skeleton (the config refuses adapters with tp/pp > 1).
+            grew = adapters.grew_vocab(source.model_dir, source.vocab_size)
+            skip = set(adapters.embedding_names(model)[1:])  # the output embedding stays
+            model = adapters.apply(model, cfg, grew_vocab=grew, kbit=False)
+            base = adapters.base_dtype(cfg, self.device)
+            if cfg.model.adapter == "qlora":
+                nf4_names = nf4.quantize_skeleton(model, base, skip)
+            for p in model.parameters():
+                if not p.requires_grad and p.dtype.is_floating_point and not nf4.is_nf4(p):
+                    p.data = p.data.to(base)  # frozen: the compute dtype, no master copy
         if self.pp > 1:
             from trainer.parallel.pipeline import cut_to_stage
 
@@ -150,6 +173,12 @@ class FSDPStrategy(ModelCalls):
         }
         if self.opts.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        if nf4_names and self.dp == 1:
+            # One replica: nothing to shard, and FSDP2 (torch 2.13) copies only the first
+            # of a tensor subclass's all-gather inputs when its group has one rank; the
+            # NF4 weights stay plain parameters of their modules.
+            params = dict(model.named_parameters())
+            kwargs["ignored_params"] = {params[n] for n in nf4_names}
         for layer in layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
@@ -160,14 +189,26 @@ class FSDPStrategy(ModelCalls):
             for n, b in model.named_buffers():
                 b.copy_(buffers[n].to(b.device))
         own = set(model.state_dict())
-        mine = {k: v for k, v in weights.items() if k in own}
+        if self.adapter:
+            shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+            # In the model's order: the same on every rank (a set's is not).
+            names = [n for n in model.state_dict() if n not in nf4_names]
+            mine = adapters.full_weights(names, shapes, weights, cfg.train.seed)
+            used = {adapters.base_name(k) for k in [*mine, *nf4_names]}
+        else:
+            mine = {k: v for k, v in weights.items() if k in own}
+            used = set(mine)
         result = set_model_state_dict(
             model, mine, options=StateDictOptions(full_state_dict=True, strict=False)
         )
+        if nf4_names:
+            self.nf4_load = nf4.load_sharded(
+                model, nf4_names, lambda n: weights[adapters.base_name(n)], self.device
+            )
         tied = set(_tied_keys(model))
-        missing = [k for k in result.missing_keys if k not in tied]
-        if missing or (self.pp == 1 and len(mine) < len(weights)):
-            unexpected = sorted(set(weights) - own)
+        missing = [k for k in result.missing_keys if k not in tied and k not in nf4_names]
+        if missing or (self.pp == 1 and len(used) < len(weights)):
+            unexpected = sorted(set(weights) - used)
             raise UserError(
                 f"{source.model_dir}: weights do not match the model (missing {missing[:3]}, "
                 f"unexpected {unexpected[:3]})"
@@ -319,9 +360,9 @@ class FSDPStrategy(ModelCalls):
         """The whole rank's resume state, HF names, flattened optimizer state (so the
         parts of several stages on one rank merge, and another layout can pick its
         own), and each part's own keys (to hand each part only what is its)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        opts = self._state_options()
         model_sd: dict[str, Any] = {}
         optim_sd: dict[str, Any] = {}
         keys = []
@@ -331,6 +372,17 @@ class FSDPStrategy(ModelCalls):
             optim_sd.update(osd)
             keys.append((set(msd), set(osd)))
         return {"model": model_sd, "optim": optim_sd}, keys
+
+    def _state_options(self) -> Any:
+        """Flattened optimizer state; with adapters only what trains (the frozen base is
+        rebuilt from the model source, and loading then leaves it alone)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(
+            flatten_optimizer_state_dict=True,
+            ignore_frozen_params=self.adapter,
+            strict=not self.adapter,
+        )
 
     def save_state(self, out: Path, rank: int) -> None:
         """The one place a dcp/2 resume state is written (an async saver wraps this)."""
@@ -398,15 +450,24 @@ class FSDPStrategy(ModelCalls):
 
     def load_state(self, ckpt: Path, rank: int) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         if not (ckpt / "dcp2" / ".metadata").exists():
             if (ckpt / "dcp" / ".metadata").exists():
                 return self._load_dcp1(ckpt)
             raise CheckpointError(f"{ckpt}/dcp2: no DCP metadata; not an FSDP resume state")
         state, keys = self._state()
-        dcp.load(state, checkpoint_id=str(ckpt / "dcp2"))
-        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        try:
+            dcp.load(state, checkpoint_id=str(ckpt / "dcp2"))
+        except Exception as exc:  # DCP wraps a missing key in a CheckpointException
+            if not self.adapter:
+                raise
+            raise CheckpointError(
+                f"{ckpt}/dcp2: the checkpoint's trainable weights do not match this job's "
+                f"adapter ({str(exc).splitlines()[0][:200]}); keep model.adapter and "
+                "model.lora equal to resume, or use a new run.name"
+            ) from None
+        opts = self._state_options()
         for part, opt, (mkeys, okeys) in zip(self.parts, self.optimizers, keys, strict=True):
             set_state_dict(
                 part,
@@ -441,10 +502,18 @@ class FSDPStrategy(ModelCalls):
 
         if self.pp == 1:
             full = get_model_state_dict(
-                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+                self.model,
+                options=StateDictOptions(
+                    full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.adapter
+                ),
             )
             if rank != 0:
                 return False
+            if self.adapter:
+                adapters.export(
+                    self.model, out, tokenizer, self.cfg, self.source_dir, state_dict=full
+                )
+                return True
             self.model.save_pretrained(out / "model", state_dict=full, safe_serialization=True)  # type: ignore[operator]
             if tokenizer is not None:
                 tokenizer.save_pretrained(out / "model")

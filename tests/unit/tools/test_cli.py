@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_plan import _job
+from tests.support.jobs import llama7b_job
 
 ROOT = Path(__file__).resolve().parents[3]
 RAYLIFT = Path(sys.executable).with_name("raylift")
@@ -55,7 +55,7 @@ def test_help_lists_every_verb_with_one_line(raylift, tmp_path):
 
 
 def test_plan_verb_is_tools_plan_py(raylift, tmp_path):
-    job = str(_job(tmp_path))  # the planner tests' Llama-2-7B job
+    job = str(llama7b_job(tmp_path))  # the planner tests' Llama-2-7B job
     args = [job, "--instance", "g5.xlarge", "--json"]
     verb = _run([raylift, "plan", *args], tmp_path)
     script = _run([sys.executable, str(ROOT / "tools" / "plan.py"), *args], tmp_path)

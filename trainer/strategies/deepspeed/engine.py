@@ -9,6 +9,11 @@ Resume state (layout `deepspeed/1`): DeepSpeed's own checkpoint folder (`ds/`), 
 optimizer partition file per rank. The export gathers the 16-bit (compute-dtype) weights
 on rank 0 and saves a plain Hugging Face folder.
 
+With a LoRA adapter, PEFT wraps the loaded (ZeRO-3: partitioned) base before
+`deepspeed.initialize`, which partitions the new adapter weights too; the checkpoint
+leaves the frozen base out, and the export gathers only the adapters into a PEFT folder.
+QLoRA is refused by the config (ZeRO cannot partition a 4-bit base).
+
 A checkpoint step does not write those files: `engine.save_checkpoint` runs as usual (its
 barriers, its folders, its choice of which rank writes what) with a checkpoint engine
 that copies each state dict it is handed into host memory instead of serialising it; the
@@ -37,6 +42,7 @@ import torch
 from trainer.checkpoint import staging
 from trainer.config import DeepSpeedOptions, JobConfig
 from trainer.errors import CheckpointError, UserError
+from trainer.model import adapters
 from trainer.model.loading import load_model, model_config
 from trainer.strategies.base import ModelSource, param_groups
 from trainer.strategies.common import (
@@ -123,11 +129,18 @@ class DeepSpeedStrategy(ModelCalls):
             # Must stay alive while the model loads: from_pretrained reads it to partition.
             self._hf_ds = HfDeepSpeedConfig(ds)
         model = load_model(source.model_dir, cfg, source.vocab_size)
+        self.source_dir = source.model_dir
+        self.adapter = adapters.enabled(cfg)
+        if self.adapter:
+            # PEFT over the (ZeRO-3: partitioned) base; its new adapter weights are plain
+            # tensors until deepspeed.initialize partitions them.
+            grew = adapters.grew_vocab(source.model_dir, source.vocab_size)
+            model = adapters.apply(model, cfg, grew_vocab=grew)
         optimizer = self._client_optimizer(model, ds)
         engine, ds_opt, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
-            model_parameters=param_groups(model, cfg.optim.weight_decay)
+            model_parameters=param_groups(model, cfg.optim.weight_decay, not self.adapter)
             if optimizer is None
             else None,
             config=ds,
@@ -150,7 +163,7 @@ class DeepSpeedStrategy(ModelCalls):
         if kind is None:
             return None
         o = self.cfg.optim
-        groups = param_groups(model, o.weight_decay)
+        groups = param_groups(model, o.weight_decay, keep_empty=not adapters.enabled(self.cfg))
         if kind == "cpu_adam":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -189,8 +202,14 @@ class DeepSpeedStrategy(ModelCalls):
     def evaluating(self) -> contextlib.AbstractContextManager:
         return Evaluating(self.engine)
 
+    def _save(self, out: Path) -> None:
+        # With adapters the module file holds only what trains (the base is the source's).
+        self.engine.save_checkpoint(
+            str(out / "ds"), tag=TAG, save_latest=False, exclude_frozen_parameters=self.adapter
+        )
+
     def save_state(self, out: Path, rank: int) -> None:
-        self.engine.save_checkpoint(str(out / "ds"), tag=TAG, save_latest=False)
+        self._save(out)
 
     def stage_state(self, out: Path, rank: int) -> staging.Writer:
         """Collective, like `save_state`: DeepSpeed's save runs now against a staging
@@ -201,7 +220,7 @@ class DeepSpeedStrategy(ModelCalls):
         staged = _staging_engine_class()(self.device.type == "cuda", buffers)
         self.engine.checkpoint_engine = staged
         try:
-            self.engine.save_checkpoint(str(out / "ds"), tag=TAG, save_latest=False)
+            self._save(out)
         except BaseException:
             self._stager.release(buffers)
             raise
@@ -226,6 +245,7 @@ class DeepSpeedStrategy(ModelCalls):
             tag=TAG,
             load_optimizer_states=True,
             load_lr_scheduler_states=False,
+            load_module_strict=not self.adapter,
         )
         if path is None:
             raise CheckpointError(
@@ -235,6 +255,8 @@ class DeepSpeedStrategy(ModelCalls):
 
     def export(self, out: Path, rank: int, tokenizer: Any) -> bool:
         module = self.engine.module
+        if self.adapter:
+            return self._export_adapter(out, rank, tokenizer)
         if self.stage == 3:
             state = self.engine._zero3_consolidated_16bit_state_dict()  # collective
         else:
@@ -244,6 +266,30 @@ class DeepSpeedStrategy(ModelCalls):
         module.save_pretrained(out / "model", state_dict=state, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(out / "model")
+        return True
+
+    def _export_adapter(self, out: Path, rank: int, tokenizer: Any) -> bool:
+        """The trainable weights gathered (ZeRO-3: collectively) into rank 0's PEFT
+        folder; the merged export loads a fresh base, so the process's ZeRO-3 config is
+        dropped first (it would partition that load, on rank 0 alone)."""
+        import deepspeed
+
+        module = self.engine.module
+        trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        gather = (
+            deepspeed.zero.GatheredParameters([p for _, p in trainable], modifier_rank=None)
+            if self.stage == 3
+            else contextlib.nullcontext()
+        )
+        with gather:
+            state = {n: p.detach().float().cpu().clone() for n, p in trainable}
+        if rank != 0:
+            return False
+        if self.stage == 3:
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+        adapters.export(module, out, tokenizer, self.cfg, self.source_dir, state_dict=state)
         return True
 
     def state_nbytes(self) -> dict[str, int]:

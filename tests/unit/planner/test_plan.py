@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.jobs import LLAMA2_7B, llama7b_job
 from trainer.config import load_config
 from trainer.planner import memory as PM
 from trainer.planner import plan as P
@@ -18,19 +19,8 @@ from trainer.planner.memory import Setup, rank_memory
 from trainer.planner.plan import plan
 from trainer.planner.shape import GIB, ModelShape
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
-LLAMA2_7B = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "intermediate_size": 11008,
-    "vocab_size": 32000,
-    "tie_word_embeddings": False,
-    "max_position_embeddings": 4096,
-}
 L7 = ModelShape.from_hf_config(LLAMA2_7B)
 M = 6_738_415_616
 # One decoder layer's linears: q, k, v, o (4 · 4096²) + gate, up, down (3 · 4096 · 11008).
@@ -316,28 +306,10 @@ def test_epoch_cost_from_a_given_and_a_derived_throughput():
 # ---------------------------------------------------------------- config, CLI, purity
 
 
-def _job(tmp_path: Path, **extra: object) -> Path:
-    model = tmp_path / "model"
-    model.mkdir(exist_ok=True)
-    (model / "config.json").write_text(json.dumps(LLAMA2_7B))
-    (model / "tokenizer.json").write_text("{}")
-    (tmp_path / "train.jsonl").write_text('{"text": "hello"}\n')
-    job = {
-        "model": {"path": str(model)},
-        "data": {"train_file": str(tmp_path / "train.jsonl"), "block_size": 512},
-        "train": {"precision": "bf16"},
-        "scaling": {"num_workers": 1, "use_gpu": True},
-        "storage": {"path": str(tmp_path / "runs")},
-        "run": {"name": "plan-test"},
-        **extra,
-    }
-    path = tmp_path / "job.yaml"
-    path.write_text(json.dumps(job))
-    return path
-
-
 def test_setup_reads_offload_from_the_deepspeed_json(tmp_path):
-    cfg = load_config(_job(tmp_path, strategy={"name": "deepspeed", "config": "zero3_offload"}))
+    cfg = load_config(
+        llama7b_job(tmp_path, strategy={"name": "deepspeed", "config": "zero3_offload"})
+    )
     s = Setup.from_config(cfg)
     assert (s.strategy, s.offload_optimizer, s.offload_param) == ("zero3", "cpu", "cpu")
     assert P.plan_job(cfg).params == M
@@ -346,10 +318,10 @@ def test_setup_reads_offload_from_the_deepspeed_json(tmp_path):
 def test_trainer_plan_verb_prints_the_table_and_exits_2_when_it_will_not_fit(tmp_path, capsys):
     from trainer.__main__ import main
 
-    assert main(["plan", str(_job(tmp_path)), "--instance", "g5.xlarge"]) == 2
+    assert main(["plan", str(llama7b_job(tmp_path)), "--instance", "g5.xlarge"]) == 2
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "optimizer states" in out
-    rc = main(["plan", str(_job(tmp_path)), "--set", "model.adapter=qlora", "--json"])
+    rc = main(["plan", str(llama7b_job(tmp_path)), "--set", "model.adapter=qlora", "--json"])
     assert rc == 0
     assert json.loads(capsys.readouterr().out)["cheapest"]["verdict"] == "fits"
 
@@ -364,7 +336,7 @@ def test_submit_refuses_a_job_that_will_not_fit_before_any_request(tmp_path, cap
     from tools import submit
 
     address = f"http://127.0.0.1:{_closed_port()}"
-    job = str(_job(tmp_path))
+    job = str(llama7b_job(tmp_path))
     rc = submit.main([job, "--address", address, "--instance", "g5.xlarge", "--no-follow"])
     err = capsys.readouterr().err
     assert rc == 2
@@ -385,7 +357,9 @@ def test_flops_per_token_for_full_training_adapters_and_recompute():
 def test_submit_skips_the_plan_when_its_inputs_are_only_on_the_cluster(tmp_path, caplog):
     import argparse
 
-    cfg = load_config(_job(tmp_path, strategy={"name": "deepspeed", "config": "/efs/ds.json"}))
+    cfg = load_config(
+        llama7b_job(tmp_path, strategy={"name": "deepspeed", "config": "/efs/ds.json"})
+    )
     args = argparse.Namespace(
         instance="g5.xlarge",
         rank0_instance=None,
@@ -398,7 +372,7 @@ def test_submit_skips_the_plan_when_its_inputs_are_only_on_the_cluster(tmp_path,
     with caplog.at_level("INFO"):
         assert R.submit_refusal(cfg, args) is None
     assert "plan: skipped" in caplog.text and "/efs/ds.json" in caplog.text
-    cfg = load_config(_job(tmp_path, model={"path": str(tmp_path / "elsewhere")}))
+    cfg = load_config(llama7b_job(tmp_path, model={"path": str(tmp_path / "elsewhere")}))
     assert R.submit_refusal(cfg, args) is None
 
 
