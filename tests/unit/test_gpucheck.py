@@ -3,6 +3,8 @@ tests/integration/test_gpucheck.py; the GPU run is `make gpu-check` on a CUDA ma
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tools import gpucheck
@@ -79,3 +81,14 @@ def test_table_and_plot(tmp_path):
     assert "(not judged)" in gpucheck.table(rows, gpu=False)
     png = gpucheck.plot(rows, tmp_path / "r.png", gpu=True)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_report_is_written_after_every_job_and_a_cut_short_run_never_passes(tmp_path):
+    good = _result(problems=[])
+    partial = gpucheck.write_report(tmp_path, True, "NVIDIA H200", 1, [good], total=3)
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    assert on_disk["complete"] is False and on_disk["passed"] is False
+    assert on_disk["gpu_run_done"] is False and partial == on_disk
+    done = gpucheck.write_report(tmp_path, True, "NVIDIA H200", 1, [good] * 3, total=3)
+    assert done["complete"] and done["passed"] and done["gpu_run_done"]
+    assert json.loads((tmp_path / "report.json").read_text())["passed"] is True

@@ -124,6 +124,28 @@ def apply(model: Any, cfg: JobConfig, grew_vocab: bool, kbit: bool | None = None
     return model
 
 
+def one_trainable_dtype(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Give every trainable tensor that is still a plain tensor one dtype, and return how
+    many changed. DeepSpeed in bf16 keeps its own fp32 master copy and wants its trainable
+    partitions in one low-precision dtype, but peft upcasts new adapters to fp32 over a
+    bf16 base while its copies of grown embeddings stay bf16: ZeRO-3 then stops in an
+    assertion (seen on an H200). ZeRO-3's partitioned parameters (`ds_id`) already have
+    the engine's dtype and are left alone."""
+    changed = 0
+    for p in model.parameters():
+        plain = not hasattr(p, "ds_id")
+        if plain and p.requires_grad and p.dtype.is_floating_point and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            changed += 1
+    kinds = {p.dtype for p in model.parameters() if p.requires_grad}
+    if len(kinds) > 1:
+        raise UserError(
+            f"model.adapter {sorted(map(str, kinds))}: the trainable tensors have more than "
+            "one dtype after casting to the compute dtype; DeepSpeed needs one"
+        )
+    return changed
+
+
 def is_adapter_weight(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 

@@ -15,6 +15,8 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
     "T4": {"fp16": 65e12, "fp32": 8.1e12},
     "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
     "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    # The H200 is the H100's chip with more and faster memory: the same dense rates.
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
     "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
 }
 

@@ -12,6 +12,7 @@ def test_peak_lookup():
     assert peak_flops("NVIDIA A10G", "bf16") == 70e12
     assert peak_flops("NVIDIA A100-SXM4-80GB", "bf16") == 312e12
     assert peak_flops("NVIDIA H100 80GB HBM3", "fp32") == 67e12
+    assert peak_flops("NVIDIA H200", "bf16") == 989e12  # what torch names the lent H200
     assert peak_flops(None, "fp32") is None  # CPU: n/a, not a made-up number
     assert peak_flops("Some Future GPU", "bf16") is None
 

@@ -172,3 +172,30 @@ def test_plan_cli_says_a_70b_qlora_fits_one_g5_48xlarge_with_fsdp_not_ddp(tmp_pa
             0
         ]
     assert verdicts == {"fsdp": "fits", "ddp": "does"}  # "does not fit"
+
+
+def test_deepspeed_gets_one_trainable_dtype_over_a_bf16_base():
+    """peft upcasts new adapters to fp32 over a bf16 base while its copy of the grown
+    embeddings stays bf16; ZeRO-3 in bf16 then stopped in an assertion on an H200."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer.model import adapters
+    from trainer.strategies.deepspeed import config as dsconfig
+
+    conf = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    base = LlamaForCausalLM(conf).to(torch.bfloat16)
+    cfg = _cfg({"name": "deepspeed", "config": "zero3"})
+    model = adapters.apply(base, cfg, grew_vocab=True)
+    mixed = {p.dtype for p in model.parameters() if p.requires_grad}
+    assert mixed == {torch.float32, torch.bfloat16}  # what DeepSpeed refused
+    ds = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    assert dsconfig.precision(ds) == "bf16" and dsconfig.precision({}) == "fp32"
+    changed = adapters.one_trainable_dtype(model, torch.bfloat16)
+    assert changed > 0
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.bfloat16}
+    assert all(not p.requires_grad for n, p in model.named_parameters() if "lora" not in n
+               and "modules_to_save" not in n)  # fmt: skip

@@ -123,6 +123,14 @@ def stage(ds: dict[str, Any]) -> int:
     return int(ds.get("zero_optimization", {}).get("stage", 0))
 
 
+def precision(ds: dict[str, Any]) -> str:
+    """The engine's compute precision as train.precision names it (bf16, fp16 or fp32)."""
+    for key in ("bf16", "fp16"):
+        if ds.get(key, {}).get("enabled") is True:
+            return key
+    return "fp32"
+
+
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 

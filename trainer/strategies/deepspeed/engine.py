@@ -43,7 +43,7 @@ from trainer.checkpoint import staging
 from trainer.config import DeepSpeedOptions, JobConfig
 from trainer.errors import CheckpointError, UserError
 from trainer.model import adapters
-from trainer.model.loading import load_model, model_config
+from trainer.model.loading import DTYPES, load_model, model_config
 from trainer.strategies.base import ModelSource, param_groups
 from trainer.strategies.common import (
     Evaluating,
@@ -136,6 +136,7 @@ class DeepSpeedStrategy(ModelCalls):
             # tensors until deepspeed.initialize partitions them.
             grew = adapters.grew_vocab(source.model_dir, source.vocab_size)
             model = adapters.apply(model, cfg, grew_vocab=grew)
+            adapters.one_trainable_dtype(model, DTYPES[dsconfig.precision(ds)])
         optimizer = self._client_optimizer(model, ds)
         engine, ds_opt, _, _ = deepspeed.initialize(
             model=model,
