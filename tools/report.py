@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tools.jobcli.cost import cost_lines
 from tools.jobcli.runs import PHASE_NAMES, memory_line, slowest_line, steady
+from trainer.autoscaling.watch import read_nodes
 from trainer.observability.metrics import lineage, read_records
 from trainer.resilience import journal
 from trainer.storage.location import resolve
@@ -24,7 +26,9 @@ def load_run(run_uri: str, endpoint_override: str | None = None) -> dict[str, An
     evals = [r for r in steps if "eval_loss" in r]
     restarts = sum(1 for r in records if r.get("event") == "resume")
     faults = journal.summarize(journal.read(run))
+    lost = sum(faults["lost_steps"]) if faults["attempts"] else wasted
     return {
+        "cost": cost_lines(read_nodes(run), steps, lost),
         "steps": steps,
         "evals": evals,
         "wasted_steps": wasted,
@@ -137,7 +141,7 @@ def summary_lines(run: dict[str, Any]) -> list[str]:
         lines.append(f"fullest worker: {mem}")
     if slow:
         lines.append(f"slowest part of a step (second half of the run): {slow}")
-    return lines + journal_lines(run.get("journal") or {})
+    return lines + journal_lines(run.get("journal") or {}) + list(run.get("cost") or [])
 
 
 def journal_lines(j: dict[str, Any]) -> list[str]:

@@ -27,19 +27,22 @@ async def _follow(
         TimeRemainingColumn,
     )
 
+    from tools.jobcli import waiting
+
     console = Console(stderr=True)
     summary = None
     bar = Progress(
-        TextColumn("[bold]training"),
+        TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[loss]}"),
         TimeRemainingColumn(),
         console=console,
         disable=not progress,
         transient=False,
     )
     task = None
+    bars = waiting.WaitBars(bar)
 
     def take(line: str) -> None:
         nonlocal summary, task
@@ -50,6 +53,14 @@ async def _follow(
                 return
         if not echo:
             return
+        wait = waiting.parse(line)
+        if wait is not None:  # the driver's report of the worker group's wait for nodes
+            if progress:
+                bars.update(wait)
+            else:
+                for text in waiting.lines(wait):
+                    print(text, flush=True)
+            return
         if progress:
             bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
         else:
@@ -58,8 +69,8 @@ async def _follow(
         if m:
             done, total = int(m.group(1)), int(m.group(2))
             if task is None:
-                task = bar.add_task("train", total=total, loss=m.group(3))
-            bar.update(task, completed=done, total=total, loss=m.group(3))
+                task = bar.add_task("training", total=total, loss=f"loss {m.group(3)}")
+            bar.update(task, completed=done, total=total, loss=f"loss {m.group(3)}")
 
     with bar:
         # Ray's tail sends what the log file holds so far, so a chunk can end inside a
@@ -92,6 +103,14 @@ def follow_to_end(client: Any, job_id: str, progress: bool) -> int:
     status, summary = follow(client, job_id, progress=progress)
     if summary:
         print_marked(SUMMARY_MARK, summary)
+    from tools.jobcli.cost import submission_cost_lines
+
+    try:
+        meta = client.get_job_info(job_id).metadata or {}
+    except RuntimeError:
+        meta = {}
+    for line in submission_cost_lines(meta):
+        print(line)
     print(f"job {job_id}: {status}", flush=True)
     if status == "SUCCEEDED":
         return 0

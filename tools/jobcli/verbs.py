@@ -9,7 +9,8 @@ import sys
 import time
 from typing import Any
 
-from tools.jobcli import cluster, runs
+from tools.jobcli import cluster, runs, waiting
+from tools.jobcli.cost import submission_cost_lines
 from tools.jobcli.follow import follow_to_end
 from trainer.errors import UserError
 
@@ -85,6 +86,13 @@ def status(args: argparse.Namespace, client: Any, target: cluster.Target) -> int
     ]
     if p.note:
         lines.append(("note", p.note))
+    if state in runs.LIVE:
+        with contextlib.suppress(RuntimeError):
+            wait = waiting.last(client.get_job_logs(job.submission_id))
+            if wait is not None and not wait.get("started"):
+                lines += [("waiting", text.strip()) for text in waiting.lines(wait)]
+    else:
+        lines += [("cost", text.removeprefix("cost: ")) for text in submission_cost_lines(meta)]
     if job.message and state not in runs.LIVE:
         lines.append(("ray", job.message.strip().splitlines()[-1]))
     for key, value in lines:

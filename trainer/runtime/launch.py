@@ -192,7 +192,11 @@ def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
     Journal(run, f"driver-{int(time.time() * 1000)}").add(
         "driver", submission=os.environ.get("RAY_JOB_SUBMISSION_ID")
     )
-    result = trainer.fit()
+    watch = _watch(cfg, scaling, run)
+    try:
+        result = trainer.fit()
+    finally:
+        watch.stop()
     summary = {
         "run": cfg.run.name,
         "storage": run.uri,
@@ -203,6 +207,18 @@ def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
     }
     _write_summary(run, summary)
     return summary
+
+
+def _watch(cfg: JobConfig, scaling: Any, run: Any) -> Any:
+    """The wait for the worker group's nodes, in the job's log, and the run's nodes, in its
+    storage (trainer.autoscaling.watch)."""
+    from trainer.autoscaling.watch import ClusterWatch, demand
+
+    per_worker = dict(scaling._resources_per_worker_not_none)  # what Ray Train asks per worker
+    need = demand(cfg.scaling.max_workers, per_worker, scaling.label_selector)
+    workers = (cfg.scaling.min_workers, cfg.scaling.max_workers)
+    source = f"driver-{int(time.time() * 1000)}"
+    return ClusterWatch(need, workers, per_worker, run=run, source=source).start()
 
 
 def _export_uri(run: Any) -> str | None:

@@ -78,6 +78,7 @@ def test_journal_lines_say_what_faults_cost(tmp_path):
         "attempts: 2 (failures: 1 node_lost); lost per restart: [2] steps, 18 s in all",
         "checkpoints: 1 (mean save 0.25 s, mean upload 1.50 s, upload retries 0)",
         "spot notice at step 15: saved in 2.0 s with 100 s left",
+        "cost: no nodes recorded for this run (recorded by its driver from this version on)",
     ]
 
 
