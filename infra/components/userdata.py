@@ -32,6 +32,9 @@ AGENT_INTERVAL_S = 5
 AGENT_MARGIN_S = 15
 # Where the head's autoscaling config lives, on the host and (mounted) in the container.
 AUTOSCALER_CONFIG_PATH = "/etc/raylift/autoscaler.yaml"
+# Where a node's instance-store NVMe is mounted, on the host and in the container: the path
+# the Ray template's ZeRO-3 NVMe offload config names (nvme_path).
+LOCAL_STORAGE_PATH = "/mnt/local_storage"
 
 
 def sq(value: str) -> str:
@@ -105,6 +108,18 @@ def _role_args(node: NodeBootstrap) -> list[str]:
     return [f"--address={node.head_fqdn}:{r.gcs_port}"]
 
 
+def strip_comments(script: str) -> str:
+    """The template's whole-line comments are for its readers; EC2 refuses user data over
+    16 KB, so the rendered script keeps only its shebangs, its title line and shellcheck's
+    directives (the head's, with the autoscaler's config, passed the limit with them)."""
+    keep = ("#!", "# Raylift node bootstrap", "# shellcheck")
+    return "".join(
+        line
+        for line in script.splitlines(keepends=True)
+        if not line.lstrip().startswith("#") or line.lstrip().startswith(keep)
+    )
+
+
 def render_user_data(node: NodeBootstrap) -> str:
     """Fill the template; raises KeyError/ValueError rather than emit a half-rendered script."""
     q = sq
@@ -128,6 +143,7 @@ def render_user_data(node: NodeBootstrap) -> str:
         "REGION": q(node.region),
         "EFS_ID": q(node.efs_id),
         "MOUNT_PATH": q(node.mount_path),
+        "LOCAL_STORAGE": q(LOCAL_STORAGE_PATH),
         "TOKEN_SECRET_ARN": q(node.token_secret_arn or ""),
         "HOSTED_ZONE_ID": q(node.hosted_zone_id or ""),
         "HEAD_FQDN": q(node.head_fqdn),
@@ -152,7 +168,7 @@ def render_user_data(node: NodeBootstrap) -> str:
             f"-e {q(f'{k}={v}')}" for k, v in sorted(node.autoscaler_env.items())
         ),
     }
-    template = _Template(TEMPLATE_PATH.read_text(encoding="utf-8"))
+    template = _Template(strip_comments(TEMPLATE_PATH.read_text(encoding="utf-8")))
     used = {m.group("braced") for m in template.pattern.finditer(template.template)} - {None}
     unused = set(values) - used
     if unused:

@@ -26,7 +26,6 @@ import json
 import logging
 import random
 import re
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,6 +37,7 @@ import torch
 from trainer.checkpoint import staging
 from trainer.errors import CheckpointError
 from trainer.resilience import faults
+from trainer.storage.local import scratch_dir
 from trainer.storage.location import Location
 
 log = logging.getLogger(__name__)
@@ -391,7 +391,7 @@ class CheckpointManager:
         are only copied here; their files and the manifest are written in the background
         (`trainer.checkpoint.staging`), and the runtime's upload waits for them."""
         step = self.train_state.step
-        out = Path(tempfile.mkdtemp(prefix=f"raylift-ckpt-{step}-r{self.rank}-"))
+        out = scratch_dir(f"raylift-ckpt-{step}-r{self.rank}-")
         writers: list[staging.Writer] = []
         for part in self.parts.values():
             stage = getattr(part, "stage", None)

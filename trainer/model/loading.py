@@ -13,12 +13,17 @@ import torch
 from trainer.config import JobConfig
 from trainer.data.sources import load_special_tokens
 from trainer.errors import DeviceError, UserError
+from trainer.storage.local import local_storage
 
 log = logging.getLogger(__name__)
 
+_LOCAL = local_storage()
 MODEL_CACHE = Path(
-    os.environ.get("RAYLIFT_MODEL_CACHE", Path(tempfile.gettempdir()) / "raylift" / "models")
+    os.environ.get("RAYLIFT_MODEL_CACHE")
+    or (_LOCAL or Path(tempfile.gettempdir())) / "raylift" / "models"
 )
+"""Downloaded models: the node's local NVMe where it has one (a 70B base is 140 GB), else
+the temp folder; RAYLIFT_MODEL_CACHE overrides both."""
 
 
 def local_model_dir(cfg: JobConfig) -> Path:

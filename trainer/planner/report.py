@@ -8,6 +8,7 @@ from typing import Any
 
 from trainer.config import JobConfig
 from trainer.errors import UserError
+from trainer.planner.catalog import get_instance
 from trainer.planner.plan import Plan, plan_job
 from trainer.planner.shape import DEFAULT_MFU, GIB, OFFLOAD_MFU, ShapeUnavailable, short_count
 
@@ -30,6 +31,7 @@ def format_plan(p: Plan) -> str:
     if s.offload_param != "none":
         offload.append(f"params→{s.offload_param}")
     where = "GPU" if s.gpu else "host RAM"
+    nvme_offload = "nvme" in (s.offload_optimizer, s.offload_param)
     lines = [
         f"model {short_count(p.params)} params ({short_count(p.trainable)} trainable), {s.strategy}"
         f"{adapter}{' ' + ', '.join(offload) if offload else ''}, {s.precision}, "
@@ -54,15 +56,23 @@ def format_plan(p: Plan) -> str:
         lines += ["", f"{title}: {lay.describe()}: {lay.verdict.upper()}"]
         lines.append(
             f"  {'node type':<22}{'count':>6}{'ranks':>6}  {'GPU need/have':>22}  "
-            f"{'host need/have':>24}  verdict"
+            f"{'host need/have':>24}  {'local NVMe':>10}  verdict"
         )
         for n in lay.nodes:
             gpu = f"{gib(n.gpu_need)} / {n.gpu_capacity / GIB:.0f} GiB" if n.gpu_verdict else "-"
             host = f"{gib(n.host_need)} / {n.host_capacity / GIB:.0f} GiB"
             name = n.instance + (" (rank 0)" if n.rank0 else "")
+            nvme = get_instance(n.instance).nvme_gb
+            local = f"{nvme:,.0f} GB" if nvme else "none"
             lines.append(
-                f"  {name:<22}{n.count:>6}{n.ranks_per_node:>6}  {gpu:>22}  {host:>24}  {n.verdict}"
+                f"  {name:<22}{n.count:>6}{n.ranks_per_node:>6}  {gpu:>22}  {host:>24}  "
+                f"{local:>10}  {n.verdict}"
             )
+            if nvme_offload and not nvme:
+                lines.append(
+                    f"  ! {n.instance} has no instance-store NVMe: the DeepSpeed config's "
+                    "nvme offload needs one at /mnt/local_storage on every node"
+                )
         lines.append(
             f"  ${lay.usd_per_hour:.2f}/h on demand, ${lay.spot_usd_per_hour:.2f}/h on spot"
         )

@@ -100,6 +100,34 @@ def _shared(path: str) -> dict[str, Any]:
     return _row(f"{path} on {_mount_of(path)}: writable")
 
 
+def _local_storage() -> dict[str, Any]:
+    """The instance-store NVMe the boot mounted (RAYLIFT_LOCAL_STORAGE): writable, and how
+    big; missing where the catalog says this instance type has one."""
+    import shutil
+
+    from trainer.planner.catalog import load_instances
+    from trainer.storage.local import ENV, local_storage
+
+    kind = os.environ.get("RAYLIFT_INSTANCE_TYPE", "")
+    listed = load_instances().get(kind)
+    expected = listed.nvme_gb if listed else 0
+    path = local_storage()
+    if path is None:
+        if expected:
+            return _row(
+                f"not mounted: a {kind} has {expected:,.0f} GB of instance-store NVMe "
+                f"({os.environ.get(ENV) or '/mnt/local_storage'} missing; see the node's "
+                "/var/log/raylift-bootstrap.log)",
+                False,
+            )
+        return _row("none on this node (scratch goes to the temp folder)")
+    row = _shared(str(path))
+    if row["ok"]:
+        total = shutil.disk_usage(path).total / 1e9
+        row["value"] += f", {total:,.0f} GB"
+    return row
+
+
 def _bucket(uri: str, endpoint: str | None, region: str | None) -> dict[str, Any]:
     from trainer.storage.location import resolve
 
@@ -145,6 +173,7 @@ def node_report(options: dict[str, Any]) -> dict[str, Any]:
         checks["bucket"] = _bucket(
             options["bucket"], options.get("endpoint"), options.get("region")
         )
+    checks["local nvme"] = _local_storage()
     checks["ray auth"] = _auth()
     return {"hostname": socket.gethostname(), "checks": checks}
 

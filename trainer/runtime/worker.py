@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +27,7 @@ from trainer.config import JobConfig
 from trainer.errors import UserError
 from trainer.resilience import faults
 from trainer.resilience.journal import Journal
+from trainer.storage.local import scratch_dir
 from trainer.storage.location import Location, download_dir, resolve
 from trainer.storage.retry import retrying
 
@@ -163,7 +163,7 @@ class Runtime:
         that `release_fetched` removes."""
         if not loc.is_s3:
             return Path(loc.path)
-        dest = Path(tempfile.mkdtemp(prefix="raylift-resume-"))
+        dest = scratch_dir("raylift-resume-")
         self._fetched.append(dest)
         return download_dir(loc, dest)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -59,6 +60,11 @@ def parse_ray_start(user_data: str) -> dict[str, Any]:
         assert token.startswith("--"), f"unexpected positional {token!r} in ray start"
         key, sep, value = token[2:].partition("=")
         flags[key] = value if sep else True
+    if flags.get("labels") == "$labels":
+        # The pool's labels are assigned above the command; the instance type is added at
+        # boot from the metadata service.
+        (static,) = re.findall(r"^labels=(.*)$", user_data, flags=re.M)
+        flags["labels"] = shlex.split(static)[0] if static else ""
     return flags
 
 

@@ -55,6 +55,7 @@ DEFAULT_BEHAVIOUR: dict[str, str] = {
     "curl": """case "$*" in
   *api/token*) echo imds-token ;;
   *meta-data/instance-id*) echo i-0abc123 ;;
+  *meta-data/instance-type*) echo g5.12xlarge ;;
   *meta-data/local-ipv4*) echo 10.42.0.7 ;;
   *groupName*) echo demo-gpu-spot-20251122 ;;
   *) exit 22 ;;
@@ -68,7 +69,15 @@ esac""",
     "docker": """if [ "$1" = login ]; then cat >/dev/null; fi
 [ "$1 $2" != "image inspect" ]""",
     "mountpoint": """[ -e "$STATE/mounted" ]""",
-    "mount": """touch "$STATE/mounted\"""",
+    # `mount -o OPTS DEVICE PATH` (the local NVMe) also shows in the node's /proc/mounts.
+    "mount": """touch "$STATE/mounted"
+if [ "$1" = -o ]; then
+  mkdir -p "$RAYLIFT_ROOT/proc" && echo "$3 $4 xfs rw,$2 0 0" >>"$RAYLIFT_ROOT/proc/mounts"
+fi""",
+    "mkfs.xfs": "true",
+    "mdadm": "true",
+    # No file system on a fresh instance-store device.
+    "blkid": "exit 2",
     "mount.nfs4": "true",
     "chown": "true",
     "systemctl": "true",

@@ -80,6 +80,7 @@ def test_node_env_is_the_agent_contract(tmp_path: Path) -> None:
         "RAYLIFT_REGION": "us-east-1",
         "RAYLIFT_INSTANCE_ID": "i-0abc123",
         "RAYLIFT_ASG_NAME": "demo-gpu-spot-20251122",
+        "RAYLIFT_INSTANCE_TYPE": "g5.12xlarge",
         "RAYLIFT_LIFECYCLE_HOOK": "raylift-drain",
         "RAYLIFT_SHARED_DIR": "/mnt/shared",
         "RAYLIFT_IMDS_ENDPOINT": "http://169.254.169.254",

@@ -51,6 +51,19 @@ def test_half_filled_gpu_entry_is_rejected() -> None:
         Catalog.model_validate(raw)
 
 
+def test_every_gpu_node_lists_its_instance_store_nvme() -> None:
+    # The boot formats it at /mnt/local_storage; the planner and doctor report it.
+    gpus = {n: s for n, s in load_instances().items() if s.family == "gpu"}
+    assert gpus and all(s.nvme_gb >= 250 and s.nvme_devices >= 1 for s in gpus.values())
+    assert (get_instance("g5.xlarge").nvme_gb, get_instance("g5.12xlarge").nvme_gb) == (250, 3800)
+    assert get_instance("g5.48xlarge").nvme_devices == 2  # the boot builds a RAID 0
+    assert get_instance("m5.xlarge").nvme_gb == 0
+    raw = load_catalog().model_dump()
+    raw["instances"]["g5.xlarge"]["nvme_devices"] = 0
+    with pytest.raises(ValueError, match=r"g5\.xlarge: nvme_gb and nvme_devices"):
+        Catalog.model_validate(raw)
+
+
 def test_unknown_instance_says_where_to_add_it() -> None:
     with pytest.raises(KeyError, match=r"instances\.yaml"):
         get_instance("p9.enormous")

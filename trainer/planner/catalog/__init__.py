@@ -35,6 +35,10 @@ class InstanceType(BaseModel):
     gpu_model: str | None = None
     gpu_count: int = Field(default=0, ge=0)
     gpu_memory_gib: float = Field(default=0, ge=0, description="memory of ONE GPU")
+    nvme_gb: float = Field(
+        default=0, ge=0, description="instance-store NVMe, all devices together (GB)"
+    )
+    nvme_devices: int = Field(default=0, ge=0)
     on_demand_usd_per_hour: float = Field(gt=0)
     spot_usd_per_hour: float = Field(gt=0, description="typical, not a quote")
 
@@ -46,6 +50,8 @@ class InstanceType(BaseModel):
             raise ValueError(
                 f"{self.name}: gpu_model, gpu_count and gpu_memory_gib must be all set or all unset"
             )
+        if (self.nvme_gb > 0) != (self.nvme_devices > 0):
+            raise ValueError(f"{self.name}: nvme_gb and nvme_devices must be both set or unset")
         if self.spot_usd_per_hour > self.on_demand_usd_per_hour:
             raise ValueError(f"{self.name}: typical spot price exceeds the on-demand price")
         return self
