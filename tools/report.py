@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tools.jobcli.cost import cost_lines
+from tools.jobcli.cost import run_lines
 from tools.jobcli.runs import PHASE_NAMES, memory_line, slowest_line, steady
-from trainer.autoscaling.watch import read_nodes
 from trainer.observability.metrics import lineage, read_records
 from trainer.resilience import journal
 from trainer.storage.location import resolve
@@ -28,7 +27,7 @@ def load_run(run_uri: str, endpoint_override: str | None = None) -> dict[str, An
     faults = journal.summarize(journal.read(run))
     lost = sum(faults["lost_steps"]) if faults["attempts"] else wasted
     return {
-        "cost": cost_lines(read_nodes(run), steps, lost),
+        "cost": run_lines(run, steps, lost),
         "steps": steps,
         "evals": evals,
         "wasted_steps": wasted,

@@ -15,6 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+RANK0_POOL = "large-cpu-mem"
+"""infra's pool for rank 0 (infra/settings.py)."""
+
 
 @dataclass
 class PoolCost:
@@ -117,9 +120,59 @@ def cost_lines(
     return lines + [f"cost: {n}" for n in notes]
 
 
+def planner_lines(
+    job: dict[str, Any] | None, nodes: list[dict[str, Any]], steps: list[dict[str, Any]]
+) -> list[str]:
+    """The planner's estimate for what the run trained, on the instance types it ran on:
+    hours and dollars for its tokens at the planner's tokens/s (one line), or nothing
+    where the run has no job record, no priced nodes or no tokens."""
+    from collections import Counter
+
+    from trainer.config import JobConfig
+    from trainer.planner.plan import plan_job
+
+    types = Counter(n["instance_type"] for n in nodes if n.get("instance_type"))
+    tokens = max((int(r.get("tokens_seen") or 0) for r in steps), default=0)
+    if not job or not types or not tokens:
+        return []
+    # Rank 0's node comes from infra's large-cpu-mem pool (its own instance type).
+    rank0 = [
+        n["instance_type"] for n in nodes if n.get("pool") == RANK0_POOL and n.get("instance_type")
+    ]
+    workers = Counter(
+        n["instance_type"] for n in nodes if n.get("instance_type") and n.get("pool") != RANK0_POOL
+    )
+    instance = (workers or types).most_common(1)[0][0]
+    try:
+        cfg = JobConfig.model_validate(job["config"])
+        lay = plan_job(
+            cfg, instance, rank0_instance=rank0[0] if rank0 else None, params=job.get("params")
+        ).layout
+    except Exception as exc:
+        return [f"cost: no planner estimate ({str(exc).splitlines()[0][:160]})"]
+    e = lay.epoch(tokens) if lay is not None else None
+    if e is None:
+        return []
+    return [
+        f"cost: the planner estimated {e['hours']:.2f} h, ${e['usd_spot']:,.2f} on spot or "
+        f"${e['usd_on_demand']:,.2f} on demand, for these {tokens:,} tokens on "
+        f"{lay.describe()} ({lay.tokens_per_s:,.0f} tokens/s: {lay.tokens_per_s_source})"
+    ]
+
+
+def read_job(run: Any) -> dict[str, Any] | None:
+    """The job record its driver wrote (trainer.runtime.launch.JOB_RECORD), if any."""
+    import json
+
+    try:
+        with run.fs.open_input_stream(run.join("job.json").path) as f:
+            return json.loads(f.read().decode())
+    except (OSError, ValueError):
+        return None
+
+
 def run_cost_lines(run: Any) -> list[str]:
     """cost_lines for a run's folder (a storage Location)."""
-    from trainer.autoscaling.watch import read_nodes
     from trainer.observability.metrics import lineage, read_records
     from trainer.resilience import journal
 
@@ -127,7 +180,15 @@ def run_cost_lines(run: Any) -> list[str]:
     faults = journal.summarize(journal.read(run))
     if faults["attempts"]:
         lost = sum(faults["lost_steps"])
-    return cost_lines(read_nodes(run), steps, lost)
+    return run_lines(run, steps, lost)
+
+
+def run_lines(run: Any, steps: list[dict[str, Any]], lost: int) -> list[str]:
+    """What the run cost (its recorded nodes), then what the planner expected it to."""
+    from trainer.autoscaling.watch import read_nodes
+
+    nodes = read_nodes(run)
+    return cost_lines(nodes, steps, lost) + planner_lines(read_job(run), nodes, steps)
 
 
 def submission_cost_lines(meta: dict[str, str]) -> list[str]:

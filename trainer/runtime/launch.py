@@ -192,6 +192,7 @@ def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
     Journal(run, f"driver-{int(time.time() * 1000)}").add(
         "driver", submission=os.environ.get("RAY_JOB_SUBMISSION_ID")
     )
+    _record_job(cfg, run)
     watch = _watch(cfg, scaling, run)
     try:
         result = trainer.fit()
@@ -219,6 +220,24 @@ def _watch(cfg: JobConfig, scaling: Any, run: Any) -> Any:
     workers = (cfg.scaling.min_workers, cfg.scaling.max_workers)
     source = f"driver-{int(time.time() * 1000)}"
     return ClusterWatch(need, workers, per_worker, run=run, source=source).start()
+
+
+JOB_RECORD = "job.json"
+
+
+def _record_job(cfg: JobConfig, run: Any) -> None:
+    """The validated job and its model's parameter count, beside the run's records: what
+    `raylift report` plans again to put the planner's estimate next to what the run cost
+    (without reading the model there)."""
+    from trainer.planner.shape import shape_for_job
+
+    try:
+        params: int | None = shape_for_job(cfg).params
+    except Exception:  # an architecture the planner does not model: the record still helps
+        params = None
+    record = {"config": cfg.model_dump(mode="json"), "params": params}
+    with run.fs.open_output_stream(run.join(JOB_RECORD).path) as f:
+        f.write(json.dumps(record, indent=1).encode())
 
 
 def _export_uri(run: Any) -> str | None:

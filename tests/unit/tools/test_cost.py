@@ -82,3 +82,70 @@ def test_report_reads_the_runs_nodes(tmp_path) -> None:
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     lines = summary_lines(load_run(str(run)))
     assert any(x.startswith("cost: large-cpu-mem (on-demand; g5.8xlarge): 1 nodes") for x in lines)
+
+
+LLAMA7B_JOB = {
+    "model": {"path": "s3://models/llama-2-7b"},
+    "data": {"train_file": "/d.jsonl", "block_size": 1024},
+    "strategy": {"name": "deepspeed", "config": "zero3_offload"},
+    "train": {"micro_batch_size": 8, "max_steps": 100},
+    "scaling": {"num_workers": 2, "use_gpu": True},
+    "run": {"name": "c"},
+}
+
+
+def test_the_planner_estimate_stands_beside_the_cost() -> None:
+    from tools.jobcli.cost import planner_lines
+    from trainer.config import JobConfig
+    from trainer.planner.plan import plan_job
+
+    job = {"config": LLAMA7B_JOB, "params": 6_738_415_616}
+    steps = [{"step": 1, "tokens_seen": 16_384}, {"step": 100, "tokens_seen": 1_638_400}]
+    (line,) = planner_lines(job, NODES, steps)
+    # Planned again on the types the run used: g5.4xlarge workers, rank 0 on g5.8xlarge.
+    lay = plan_job(
+        JobConfig.model_validate(LLAMA7B_JOB), "g5.4xlarge",
+        rank0_instance="g5.8xlarge", params=job["params"],
+    ).layout  # fmt: skip
+    e = lay.epoch(1_638_400)
+    assert line.startswith(f"cost: the planner estimated {e['hours']:.2f} h, ${e['usd_spot']:,.2f}")
+    assert "for these 1,638,400 tokens on 2 workers on 1× g5.8xlarge (rank 0)" in line
+    # No job record (a run from before), no typed nodes or no tokens: nothing is estimated.
+    assert planner_lines(None, NODES, steps) == []
+    assert planner_lines(job, [{**n, "instance_type": None} for n in NODES], steps) == []
+    assert planner_lines(job, NODES, [{"step": 1}]) == []
+
+
+def test_the_driver_records_the_job_and_report_plans_it_again(tmp_path) -> None:
+    from trainer.config import JobConfig
+    from trainer.runtime.launch import _record_job
+    from trainer.storage.location import resolve
+
+    model = tmp_path / "llama"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+            }
+        )
+    )  # fmt: skip
+    cfg = JobConfig.model_validate({**LLAMA7B_JOB, "model": {"path": str(model)}})
+    run = tmp_path / "run"
+    (run / "nodes").mkdir(parents=True)
+    _record_job(cfg, resolve(str(run)))
+    record = json.loads((run / "job.json").read_text())
+    assert record["config"]["model"]["path"] == str(model)
+    assert 6.6e9 < record["params"] < 6.8e9  # Llama-2-7B's shape
+    (run / "nodes" / "driver-1.json").write_text(
+        json.dumps({"nodes": {f"n{i}": n for i, n in enumerate(NODES)}})
+    )
+    steps = [
+        {"step": s, "time": 10.0 * s, "loss": 1.0, "tokens_per_s": 5.0, "tokens_seen": 8192 * s}
+        for s in (1, 2)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    lines = summary_lines(load_run(str(run)))
+    assert any(x.startswith("cost: the planner estimated ") for x in lines), lines
