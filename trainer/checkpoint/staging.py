@@ -22,7 +22,11 @@ does (on this 2-core machine the stall bench's DDP stall went from 0.17 to 0.07 
 A write that hangs (a stuck file system, a collective waiting on a peer that will never
 come) must not hang the run: whoever waits for it gives up once the folder has gained no
 byte for `checkpoint.stuck_write_s` and raises `CheckpointStuck`, which fails the attempt
-(the run restarts from the last complete checkpoint).
+(the run restarts from the last complete checkpoint). The judging is done by a watch
+thread at the training thread's priority (`watch_writes`): the waiter is the upload
+thread, which runs under SCHED_IDLE, and while training keeps every core busy it gets no
+CPU for as long as training runs, so a hung write used to be judged only after the last
+step. The watch's verdict sets the flag every later save checks (`wait_unless_stuck`).
 """
 
 from __future__ import annotations
@@ -207,7 +211,9 @@ def folder_bytes(folder: Path) -> int:
     return total
 
 
-def wait_progressing(future: Future[Any], folder: Path, stuck_s: float, what: str) -> Any:
+def wait_progressing(
+    future: Future[Any], folder: Path, stuck_s: float, what: str, watch: WriteWatch | None = None
+) -> Any:
     """`future.result()`, unless the write it stands for is hung: once it runs, `folder`
     must gain bytes at least every `stuck_s` seconds (0: wait forever). A write still
     queued behind an earlier one is not judged (the earlier one's waiter judges that)."""
@@ -218,6 +224,9 @@ def wait_progressing(future: Future[Any], folder: Path, stuck_s: float, what: st
         done, _ = wait_futures([future], timeout=min(POLL_S, stuck_s))
         if done:
             return future.result()
+        verdict = watch.verdict(folder) if watch is not None else None
+        if verdict is not None:
+            raise CheckpointStuck(f"{what}: {verdict}")
         now = time.monotonic()
         if not future.running():
             since = now
@@ -227,12 +236,15 @@ def wait_progressing(future: Future[Any], folder: Path, stuck_s: float, what: st
             seen, since = size, now
         elif now - since >= stuck_s:
             _stuck.set()
-            raise CheckpointStuck(
-                f"{what}: its background write has added no byte for {now - since:.0f} s "
-                f"({size} bytes in {folder}); giving it up as hung "
-                f"(checkpoint.stuck_write_s: {stuck_s:g}) so that this attempt fails and "
-                "the run restarts from the last complete checkpoint"
-            )
+            raise CheckpointStuck(f"{what}: {_hung(now - since, size, folder, stuck_s)}")
+
+
+def _hung(idle_s: float, size: int, folder: Path, stuck_s: float) -> str:
+    return (
+        f"its background write has added no byte for {idle_s:.0f} s ({size} bytes in "
+        f"{folder}); giving it up as hung (checkpoint.stuck_write_s: {stuck_s:g}) so that "
+        "this attempt fails and the run restarts from the last complete checkpoint"
+    )
 
 
 def wait_unless_stuck(future: Future[Any]) -> None:
@@ -252,6 +264,7 @@ class BackgroundWrites:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="raylift-ckpt-write")
         self._pending: dict[str, Future[None]] = {}
         self._lock = threading.Lock()
+        self.watch: WriteWatch | None = None  # set by the WriteWatch over these writes
 
     def submit(self, folder: Path, write: Writer) -> None:
         with self._lock:
@@ -264,14 +277,77 @@ class BackgroundWrites:
         with self._lock:
             future = self._pending.pop(os.path.realpath(folder), None)
         if future is not None:
-            wait_progressing(future, folder, stuck_s, what)
+            wait_progressing(future, folder, stuck_s, what, self.watch)
 
     def pending(self) -> int:
         with self._lock:
             return sum(not f.done() for f in self._pending.values())
 
+    def running(self) -> list[str]:
+        """The folders whose write is running now (not queued, not done)."""
+        with self._lock:
+            return [folder for folder, f in self._pending.items() if f.running()]
+
 
 WRITES = BackgroundWrites()
+
+
+class WriteWatch:
+    """Judges running background writes from a thread of its own, started by the training
+    thread and so of its priority: a running write whose folder gains no byte for the limit
+    is given up as hung (its waiter raises, every later save raises) even while the
+    SCHED_IDLE waiter gets no CPU. It wakes once a second and, with no write running,
+    walks no folder."""
+
+    def __init__(self, writes: BackgroundWrites) -> None:
+        self._writes = writes
+        writes.watch = self
+        self._lock = threading.Lock()
+        self._verdicts: dict[str, str] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.stuck_s = 0.0
+
+    def start(self, stuck_s: float) -> None:
+        self.stuck_s = stuck_s
+        if stuck_s <= 0 or (self._thread is not None and self._thread.is_alive()):
+            return
+        self._thread = threading.Thread(target=self._run, name="raylift-ckpt-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def verdict(self, folder: Path | str) -> str | None:
+        with self._lock:
+            return self._verdicts.get(os.path.realpath(folder))
+
+    def _run(self) -> None:
+        progress: dict[str, tuple[int, float]] = {}
+        while not self._stop.wait(min(POLL_S, max(self.stuck_s / 4, 0.05))):
+            now, running = time.monotonic(), self._writes.running()
+            for gone in set(progress) - set(running):
+                del progress[gone]
+            for folder in running:
+                size = folder_bytes(Path(folder))
+                seen, since = progress.get(folder, (-1, now))
+                if size != seen:
+                    progress[folder] = (size, now)
+                elif now - since >= self.stuck_s > 0:
+                    with self._lock:
+                        self._verdicts.setdefault(
+                            folder, _hung(now - since, size, Path(folder), self.stuck_s)
+                        )
+                    _stuck.set()
+
+
+WATCH = WriteWatch(WRITES)
+
+
+def watch_writes(stuck_s: float) -> None:
+    """Start judging this process's background writes (`checkpoint.stuck_write_s`; 0:
+    never). Call on the training thread: the watch thread takes its priority."""
+    WATCH.start(stuck_s)
 
 
 def submit(folder: Path, write: Writer) -> None:

@@ -154,6 +154,7 @@ class Runtime:
         self.allow_scratch = cfg.checkpoint.allow_restart_from_scratch
         self.retry_s = cfg.checkpoint.upload_retry_s
         self.stuck_s = cfg.checkpoint.stuck_write_s
+        staging.watch_writes(self.stuck_s)  # on the training thread: its priority
         self.sync_upload = cfg.checkpoint.upload == "sync"
         if self.rank == 0 and not cfg.train.as_test:
             self.journal = Journal(self.run, f"attempt-{int(time.time() * 1000)}-rank0")

@@ -132,6 +132,36 @@ def test_a_write_that_stops_making_progress_is_given_up_as_hung(tmp_path, writes
         gate.set()
 
 
+def test_the_watch_gives_a_hung_write_up_with_no_waiter_running(tmp_path, writes):
+    """The waiter is the upload thread, under SCHED_IDLE: while training keeps every core
+    busy it gets no CPU, and a hung write was judged only after the last step. The watch
+    thread (training's priority) judges it alone: the flag every later save checks is set,
+    and the waiter, once it runs, raises the watch's verdict at once."""
+    folder, gate = tmp_path / "ckpt", threading.Event()
+    watch = staging.WriteWatch(writes)
+    writes.submit(folder, _appender(folder / "model.pt", 2, 0.05, gate))
+    started = time.monotonic()
+    watch.start(0.4)
+    try:
+        assert staging._stuck.wait(10), "the watch never judged the hung write"
+        assert 0.4 <= time.monotonic() - started < 5.0
+        assert "added no byte for" in watch.verdict(folder) and "2000 bytes" in watch.verdict(
+            folder
+        )
+        never = Future()
+        never.set_running_or_notify_cancel()
+        with pytest.raises(staging.CheckpointStuck, match="earlier checkpoint"):
+            staging.wait_unless_stuck(never)
+        # A waiter with a limit it would take a minute to reach raises the verdict now.
+        waited = time.monotonic()
+        with pytest.raises(staging.CheckpointStuck, match=r"step 9: its background write has"):
+            writes.wait(folder, stuck_s=60, what="the checkpoint of step 9")
+        assert time.monotonic() - waited < 5.0
+    finally:
+        gate.set()
+        watch.stop()
+
+
 def test_a_slow_write_that_keeps_writing_and_one_queued_behind_it_are_waited_for(tmp_path, writes):
     """Progress resets the clock: a write that adds bytes every 0.2 s for 2 s is not hung
     under a 0.6 s limit, and the write queued behind it is not judged while it waits."""
@@ -139,6 +169,8 @@ def test_a_slow_write_that_keeps_writing_and_one_queued_behind_it_are_waited_for
     writes.submit(first, _appender(first / "model.pt", 10, 0.2))
     writes.submit(second, _appender(second / "model.pt", 1, 0.0))
     errors: list[BaseException] = []
+    watch = staging.WriteWatch(writes)  # the watch judges by the same rule
+    watch.start(0.6)
 
     def wait_second() -> None:  # its waiter runs while it is still queued
         try:
@@ -156,6 +188,8 @@ def test_a_slow_write_that_keeps_writing_and_one_queued_behind_it_are_waited_for
     assert (first / "model.pt").stat().st_size == 10_000
     assert (second / "model.pt").stat().st_size == 1000
     assert not staging.stuck()
+    assert watch.verdict(first) is None and watch.verdict(second) is None
+    watch.stop()
 
 
 @pytest.mark.parametrize(
