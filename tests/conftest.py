@@ -57,6 +57,8 @@ os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 LONGEST_FIRST = (
     "test_strategies.py",
     "test_faults.py",
+    "test_memory_tier.py",
+    "test_job_waiting.py",
     "test_ray_train.py",
     "test_adapters_sharded.py",
     "test_gpucheck_cpu.py",

@@ -441,6 +441,16 @@ class CheckpointSection(_Section):
         description="How long an upload retries transient storage errors (throttling, a "
         "server briefly down) with backoff before the attempt fails.",
     )
+    memory_every: int = Field(
+        default=0,
+        ge=0,
+        description="Steps between snapshots of the resume state to the RAM tier: keepers "
+        "(one Ray actor per node) hold the newest complete snapshot in host memory, each "
+        "copied to a buddy keeper on another node, so a hard kill (a SIGKILLed worker, an "
+        "OOM kill, a node lost without notice) restores from memory and loses at most a "
+        "step or two instead of a checkpoint interval. 0 = off. Ray Train runs with DDP, "
+        "FSDP and adapters; preflight refuses it with DeepSpeed, torchrun ignores it.",
+    )
 
 
 class StorageSection(_Section):

@@ -33,6 +33,7 @@ from trainer.checkpoint.manager import (
     TrainState,
     staging,
 )
+from trainer.checkpoint.memory import MemoryTier
 from trainer.checkpoint.upload import upload_dir
 from trainer.config import JobConfig
 from trainer.data import packing
@@ -210,7 +211,8 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     scheduler = build_scheduler(cfg, strategy.optimizer, steps)
     ts = TrainState()
     manager = _checkpoint_manager(cfg, rt, strategy, scheduler, ts)
-    start, report = _start_attempt(cfg, rt, manager, strategy, feed, ts, steps, end, device)
+    memory = MemoryTier(cfg, rt, manager, device)  # the RAM tier: snapshots on peers
+    start, report = _start_attempt(cfg, rt, manager, memory, strategy, feed, ts, steps, end)
     evaluation = Evaluation(
         cfg, rt, strategy, device, open_eval_sets(cfg, prep.eval_caches, feed.attention)
     )
@@ -222,7 +224,8 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         started = time.perf_counter()
         with stats.phase("data"):
             micro = feed.micro_batches(step)
-            per_rank, (asked,) = _targets_per_rank(micro, device, rt.world_size, [preemption.ask()])
+            flags = [preemption.ask(), *memory.ask()]
+            per_rank, (asked, *snapped) = _targets_per_rank(micro, device, rt.world_size, flags)
         with stats.phase("fwd_bwd"):
             loss = _forward_backward(strategy, micro, per_rank, cfg, device)
         with stats.phase("optim"):
@@ -236,6 +239,8 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
 
         is_last = done == end
         preemption.check(asked, done)
+        memory.agreed(snapped)
+        memory.after_step(done, is_last)
         emergency = preemption.emergency(is_last)
         save = manager.due(done, end) or emergency
         export = manager.export_due(done, end, final=end == steps)
@@ -261,6 +266,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         if emergency:
             preemption.ride_out(done, saving)
         report.restart_window()
+    memory.finish()
     _finish(cfg, rt, strategy, feed, report, device, start, end, steps)
     return report.last
 
@@ -337,26 +343,33 @@ def _start_attempt(
     cfg: JobConfig,
     rt: Runtime,
     manager: CheckpointManager,
+    memory: MemoryTier,
     strategy: Strategy,
     feed: TrainFeed,
     ts: TrainState,
     steps: int,
     end: int,
-    device: torch.device,
 ) -> tuple[int, StepReport]:
-    """Restore the newest complete checkpoint (torn ones after it are discarded), open this
-    attempt's metrics file, journal and trackers, and say what this attempt will train."""
-    resume_dir = rt.latest_checkpoint()
+    """Restore the newest snapshot in the RAM tier if storage has none as new, else the
+    newest complete checkpoint (torn ones after it are discarded), open this attempt's
+    metrics file, journal and trackers, and say what this attempt will train."""
+    device = memory.device
+    restored = memory.restore()
+    resume_dir = None if restored else rt.latest_checkpoint()
     if resume_dir is not None:
         manager.restore(resume_dir)
+        restored = ("storage", ts.step)
     start = ts.step
     if rt.rank == 0 and manager.enabled:
         ckpt_mod.discard_torn_after(rt.run, start)
     rt.barrier()
 
-    metrics_file, history = _open_metrics(cfg, rt, start, resume_dir)
+    where = (
+        f"{restored[0]}:{ckpt_mod.dir_name(start)}" if restored and not resume_dir else resume_dir
+    )
+    metrics_file, history = _open_metrics(cfg, rt, start, where)
     if metrics_file is not None:
-        _journal_attempt(rt, metrics_file.attempt, history, start)
+        _journal_attempt(rt, metrics_file.attempt, history, start, restored and restored[0])
     # Watching the run (observability.tracking, observability.workerstats): every rank
     # measures, rank 0 gathers and hands the records to the trackers' background senders.
     stats = WorkerStats(
@@ -544,10 +557,13 @@ def _write_probe(
             f.write(body.encode())
 
 
-def _journal_attempt(rt: Runtime, attempt: int, history: list[dict[str, Any]], start: int) -> None:
-    """The attempt's first journal record: where it resumed, and what the restart cost
-    (steps trained past that checkpoint, and the wall time since the last step).
-    `history` is the metrics file as earlier attempts left it."""
+def _journal_attempt(
+    rt: Runtime, attempt: int, history: list[dict[str, Any]], start: int, source: str | None
+) -> None:
+    """The attempt's first journal record: where it resumed (`restored_from`: storage,
+    memory-own, memory-buddy; None from scratch), and what the restart cost (steps
+    trained past that point, and the wall time since the last step). `history` is the
+    metrics file as earlier attempts left it."""
     if rt.journal is None:
         return
     previous = [r for r in history if r.get("event") == "train"]
@@ -564,13 +580,14 @@ def _journal_attempt(rt: Runtime, attempt: int, history: list[dict[str, Any]], s
         attempt=attempt,
         world_size=rt.world_size,
         from_step=start,
+        restored_from=source or None,
         lost_steps=max(0, last_step - start),
         lost_s=None if last_time is None else round(time.time() - last_time, 3),
     )
 
 
 def _open_metrics(
-    cfg: JobConfig, rt: Runtime, start: int, resume_dir: Path | None
+    cfg: JobConfig, rt: Runtime, start: int, resume_dir: Path | str | None
 ) -> tuple[MetricsFile | None, list[dict[str, Any]]]:
     """Rank 0's metrics file for this attempt, and the records earlier attempts wrote."""
     if rt.rank != 0 or cfg.train.as_test:

@@ -203,6 +203,13 @@ def check_strategy(cfg: JobConfig, strict: bool, report: Report) -> None:
     too: what the workers would build, refused before any of them starts."""
     if cfg.strategy.name != "deepspeed":
         return
+    if cfg.checkpoint.memory_every:
+        raise ConfigError(
+            "checkpoint.memory_every: the RAM tier does not cover DeepSpeed yet (its engine "
+            "writes its state only through save_checkpoint to a folder, a full second "
+            "checkpoint every snapshot); set checkpoint.memory_every: 0, or use strategy ddp "
+            "or fsdp"
+        )
     from trainer.strategies.deepspeed import config as dsconfig
 
     name = cfg.strategy.config  # type: ignore[union-attr]

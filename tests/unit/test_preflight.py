@@ -62,3 +62,19 @@ def test_unreachable_s3_endpoint_is_one_clear_error(job):
     )
     with pytest.raises(UserError, match=r"storage.path s3://bucket/runs: not writable: .*connect"):
         run_all(cfg)
+
+
+def test_ram_tier_with_deepspeed_is_refused_in_one_line(job):
+    """checkpoint.memory_every has no DeepSpeed path: refused before any worker starts,
+    naming the field and what to do; the same job on DDP passes."""
+    path = job(
+        "ds-mem",
+        strategy={"name": "deepspeed", "config": "zero2"},
+        checkpoint={"memory_every": 1},
+    )
+    with pytest.raises(ConfigError) as exc:
+        run_all(load_config(path))
+    msg = str(exc.value)
+    assert "\n" not in msg and msg.startswith("checkpoint.memory_every:")
+    assert "DeepSpeed" in msg and "memory_every: 0" in msg
+    run_all(load_config(job("ddp-mem", checkpoint={"memory_every": 1})))

@@ -54,6 +54,8 @@ class Setup:
     grad_accum: int = 1
     offload_optimizer: str = "none"  # DeepSpeed: none | cpu | nvme
     offload_param: str = "none"
+    memory_tier: bool = False
+    """checkpoint.memory_every > 0: the RAM tier's keepers hold snapshots in host RAM."""
 
     @classmethod
     def from_config(cls, cfg: JobConfig) -> Setup:
@@ -102,6 +104,7 @@ class Setup:
             lora_targets=tuple(cfg.model.lora.target_modules),
             merge_on_export=cfg.model.lora.merge_on_export,
             grad_accum=cfg.train.grad_accum,
+            memory_tier=cfg.checkpoint.memory_every > 0,
             **kw,
         )
 
@@ -171,6 +174,15 @@ class HostMemory:
     staging_rank0: float = 0.0
     """Rank 0 only: the same for DDP and adapters, whose rank 0 writes the whole state,
     and ZeRO-2's module weights."""
+    keeper: float = 0.0
+    """Every rank, with the RAM tier on (checkpoint.memory_every): what its share of the
+    snapshots costs its node: the keeper's `KEEPER_COPIES` snapshots of it, as many of
+    the share a rank of the buddy node sends, and `SNAPSHOT_IN_TRANSIT` copies in the
+    rank itself while one travels (read from the staged folder, in the object store)."""
+    keeper_node: float = 0.0
+    """Once on every node, with the RAM tier on: the keeper's snapshots of rank 0's whole
+    share under DDP and adapters (rank 0's node holds them; any other node may be its
+    buddy, so every node counts them)."""
 
 
 def activation_bytes(shape: ModelShape, s: Setup, checkpointing: bool) -> float:
@@ -449,6 +461,8 @@ def host_memory(shape: ModelShape, s: Setup, rank: RankMemory) -> HostMemory:
     """Host RAM per rank. A CPU rank's whole footprint is host RAM."""
     m, n, c, o = shape.params, s.world, s.c, s.optim_bytes
     staged = _staging_bytes(shape, s)
+    if s.memory_tier:
+        staged = {**staged, **_keeper_bytes(staged)}
     if not s.gpu:
         return HostMemory(
             offload=0.0,
@@ -484,6 +498,21 @@ def host_memory(shape: ModelShape, s: Setup, rank: RankMemory) -> HostMemory:
         export=_export_bytes(shape, s),
         **staged,
     )
+
+
+KEEPER_COPIES = 3
+"""Snapshots of one share a keeper may hold at once (trainer.checkpoint.keeper): the
+confirmed one, a newer complete one, and one arriving."""
+SNAPSHOT_IN_TRANSIT = 2
+
+
+def _keeper_bytes(staged: dict[str, float]) -> dict[str, float]:
+    """The RAM tier's price per rank and per node (see HostMemory.keeper)."""
+    share, rank0 = staged.get("staging", 0.0), staged.get("staging_rank0", 0.0)
+    return {
+        "keeper": (2 * KEEPER_COPIES + SNAPSHOT_IN_TRANSIT) * share,
+        "keeper_node": 2 * KEEPER_COPIES * rank0 + SNAPSHOT_IN_TRANSIT * rank0,
+    }
 
 
 def _staging_bytes(shape: ModelShape, s: Setup) -> dict[str, float]:

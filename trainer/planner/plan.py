@@ -193,9 +193,10 @@ def layout(
 
 def _host_need(host: HostMemory, ranks: int, rank0: bool) -> float:
     """Peak of the load phase and the training phase (plus the export on rank 0's node)."""
-    steady = ranks * (host.process + host.offload + host.staging) + (
+    steady = ranks * (host.process + host.offload + host.staging + host.keeper) + (
         host.export + host.staging_rank0 if rank0 else 0.0
     )
+    steady += host.keeper_node  # the RAM tier: rank 0's snapshots, here or as buddy
     loading = ranks * (host.process + host.load)
     return HOST_NODE_RESERVE + max(steady, loading)
 

@@ -50,6 +50,11 @@ def format_plan(p: Plan) -> str:
         f"load {gib(p.host.load)}, checkpoint staging {gib(p.host.staging)}; export on "
         f"rank 0's node {gib(p.host.export)}, staging on rank 0 {gib(p.host.staging_rank0)}",
     ]
+    if p.host.keeper or p.host.keeper_node:
+        lines.append(
+            f"RAM tier keepers (checkpoint.memory_every): {gib(p.host.keeper)} per rank, "
+            f"{gib(p.host.keeper_node)} once per node"
+        )
     for title, lay in (("layout", p.layout), ("cheapest layout that fits", p.cheapest)):
         if lay is None:
             continue

@@ -31,12 +31,16 @@ HOLD_UPLOAD_ENV = "RAYLIFT_FAULT_HOLD_UPLOAD"
 """STEP:PATH, the same form: holds only step STEP's upload, before its manifests, until
 PATH exists; training goes on meanwhile (a background upload). The holder touches
 PATH.upload.r<RANK>."""
+HOLD_BUDDY_ENV = "RAYLIFT_FAULT_HOLD_BUDDY"
+"""STEP:PATH, the same form: holds the RAM tier's copy of step STEP's snapshot to the
+buddy keeper (trainer.checkpoint.memory), after the node's keeper has it; training goes
+on meanwhile. The holder touches PATH.buddy.r<RANK>."""
 UPLOAD_PAUSE_ENV = "RAYLIFT_FAULT_UPLOAD_PAUSE_S"
 """Seconds every checkpoint upload pauses between its data files and its manifests, the
 window a kill or a storage outage must not turn into a checkpoint that looks complete."""
 KILL_AFTER_STEP_ENV = "RAYLIFT_FAULT_KILL_AFTER_STEP"
 """N: the first attempt's last rank SIGKILLs itself once every rank has finished step N."""
-WORKER_ENV = (UPLOAD_PAUSE_ENV, KILL_AFTER_STEP_ENV, HOLD_ENV)
+WORKER_ENV = (UPLOAD_PAUSE_ENV, KILL_AFTER_STEP_ENV, HOLD_ENV, HOLD_BUDDY_ENV)
 """The drills a Ray job's driver passes on to its workers."""
 HOLD_LIMIT_S = 900.0
 """A held run goes on by itself after this long, so a test that dies never leaves a job

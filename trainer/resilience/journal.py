@@ -8,8 +8,10 @@ Readers merge the files by time. Events (each a JSON object with `time`, `event`
 
 - `attempt`: an attempt (worker group) started: `attempt`, `after` (`start`, `stop`: a
   resubmission after a clean stop, `failure`: a restart), `world_size`, `from_step`,
-  `lost_steps` (steps trained past the checkpoint it resumed from), `lost_s` (wall time
-  from the last step before the failure to the first step of this attempt).
+  `restored_from` (`storage`, `memory-own`: the RAM tier's keepers, every share from
+  its writer's node; `memory-buddy`: some share from a buddy copy; None: from scratch),
+  `lost_steps` (steps trained past the checkpoint or snapshot it resumed from), `lost_s`
+  (wall time from the last step before the failure to the first step of this attempt).
 - `failure`: the controller saw the worker group fail: `cause` (`worker_died`,
   `node_lost`, `preempted`, `error`), `ranks`, `message`.
 - `preemption`: a spot notice reached the loop: `step`, `deadline_s` (seconds left when

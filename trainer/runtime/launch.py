@@ -7,10 +7,12 @@ worker group is created.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -195,7 +197,8 @@ def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
     _record_job(cfg, run)
     watch = _watch(cfg, scaling, run)
     try:
-        result = trainer.fit()
+        with _keepers(cfg, run.uri):
+            result = trainer.fit()
     finally:
         watch.stop()
     summary = {
@@ -220,6 +223,35 @@ def _watch(cfg: JobConfig, scaling: Any, run: Any) -> Any:
     workers = (cfg.scaling.min_workers, cfg.scaling.max_workers)
     source = f"driver-{int(time.time() * 1000)}"
     return ClusterWatch(need, workers, per_worker, run=run, source=source).start()
+
+
+@contextlib.contextmanager
+def _keepers(cfg: JobConfig, run_uri: str) -> Iterator[None]:
+    """The RAM tier's keepers (trainer.checkpoint.memory) for as long as the run trains:
+    started (or an earlier driver's reused) before the workers, ended however the run
+    ends: finished, failed, or stopped (`raylift stop` sends the driver SIGTERM, then
+    SIGKILL 3 s later: the handler ends the keepers at once, before fit() unwinds)."""
+    if not cfg.checkpoint.memory_every:
+        yield
+        return
+    import signal
+
+    from trainer.checkpoint import memory
+
+    ns = memory.namespace(run_uri, cfg.run.name)
+
+    def stopped(signum: int, frame: Any) -> None:
+        # Ray's job stop sends SIGKILL 3 s after SIGTERM: end the keepers first, at once.
+        memory.end_keepers(ns)
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, stopped)
+    try:
+        memory.start_keepers(ns)
+        yield
+    finally:
+        memory.end_keepers(ns)
+        signal.signal(signal.SIGTERM, previous)
 
 
 JOB_RECORD = "job.json"

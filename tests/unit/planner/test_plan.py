@@ -400,3 +400,40 @@ def test_checkpoint_staging_copy_is_counted_in_host_ram():
     host = PM.host_memory(L7, zero2, rank_memory(L7, zero2))
     assert host.staging == pytest.approx(12 * M / 16)
     assert host.staging_rank0 == pytest.approx(2 * M)
+
+
+def test_ram_tier_keepers_are_counted_per_node_and_refuse_what_does_not_fit():
+    """checkpoint.memory_every: each node's keeper holds up to KEEPER_COPIES snapshots of
+    its ranks' shares and as many of its buddy's, plus the copies in transit; DDP's and
+    the adapters' rank-0 share is counted once on every node (it or its buddy copy). A
+    full 7B FSDP run on 16 A10Gs needs the bigger g5.48xlarge nodes with it."""
+    copies = 2 * PM.KEEPER_COPIES + PM.SNAPSHOT_IN_TRANSIT
+    fsdp = Setup("fsdp", world=16, precision="bf16", memory_tier=True)
+    host = PM.host_memory(L7, fsdp, rank_memory(L7, fsdp))
+    assert host.keeper == pytest.approx(copies * 12 * M / 16) and host.keeper_node == 0
+    lay = P.layout(L7, fsdp, "g5.12xlarge")
+    worker = next(n for n in lay.nodes if not n.rank0)
+    assert worker.host_need == pytest.approx(
+        S.HOST_NODE_RESERVE + 4 * (S.HOST_PER_GPU_PROCESS + 12 * M / 16 * (1 + copies))
+    )
+    # 16 GB of snapshots per rank: a g5.12xlarge's 192 GiB no longer holds four ranks'
+    # (refused), which it does without the tier; a g5.48xlarge's 768 GiB does.
+    assert lay.verdict == "does not fit"
+    assert P.layout(L7, Setup("fsdp", world=16), "g5.12xlarge").verdict != "does not fit"
+    assert P.layout(L7, fsdp, "g5.48xlarge").verdict != "does not fit"
+    off = PM.host_memory(L7, Setup("fsdp", world=16), rank_memory(L7, Setup("fsdp", world=16)))
+    assert off.keeper == 0 and off.keeper_node == 0
+    lora = Setup("ddp", adapter="lora", world=2, memory_tier=True)
+    host = PM.host_memory(L7, lora, rank_memory(L7, lora))
+    assert host.keeper == 0 and host.keeper_node == pytest.approx(copies * host.staging_rank0)
+    ddp = Setup("ddp", world=8, precision="bf16", memory_tier=True)
+    need = P.layout(L7, ddp, "g5.48xlarge").nodes[0].host_need
+    plain = P.layout(L7, Setup("ddp", world=8, precision="bf16"), "g5.48xlarge").nodes[0]
+    host = PM.host_memory(L7, ddp, rank_memory(L7, ddp))
+    assert host.keeper_node == pytest.approx(copies * 12 * M)
+    assert need > plain.host_need + 0.5 * copies * 12 * M
+    # The plan says what the tier costs, and says nothing of it when it is off.
+    text = R.format_plan(P.plan(L7, fsdp, instance="g5.48xlarge", search=False))
+    (line,) = [x for x in text.splitlines() if x.startswith("RAM tier keepers")]
+    assert f"{copies * 12 * M / 16 / 2**30:.1f} GiB per rank" in line
+    assert "RAM tier" not in R.format_plan(P.plan(L7, Setup("fsdp", world=16), search=False))

@@ -1,0 +1,128 @@
+"""What the RAM tier (checkpoint.memory_every, trainer.checkpoint.memory) buys and costs, on
+a local three-node Ray cluster (head + two 1-CPU workers), side by side in one run:
+
+- hard kill: a training worker is SIGKILLed at step 2 × EVERY + 5 (between storage
+  checkpoints); figures: the steps lost and the seconds from the kill to the first step
+  of the restarted attempt, with a snapshot every step against storage only. Targets:
+  the RAM tier loses ≤ 2 steps, and its first new step comes sooner (ratio < 1).
+- throughput: tokens/s with a snapshot every step ÷ tokens/s without. Target ≥ 0.97.
+
+Sizes: RAYLIFT_BENCH_MEMORY_STEPS (the throughput runs' length), RAYLIFT_BENCH_HIDDEN /
+RAYLIFT_BENCH_LAYERS (the model), rounds: RAYLIFT_BENCH_REPEATS."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.bench.benchutil import Check, run_benchmark, size, steady_tokens_per_s
+from tests.support.jobs import base_job
+from tests.support.ray_jobs import history, launch, run_to_end, train_workers
+from tools.jobcli.follow import follow
+from tools.tiny import build_all
+from trainer.observability.metrics import read_records
+from trainer.resilience import journal
+from trainer.storage.location import resolve
+
+EVERY = 25
+KILL_AT = 2 * EVERY + 5
+STEPS = size("RAYLIFT_BENCH_MEMORY_STEPS", 200, 80, minimum=KILL_AT + 10)
+
+
+def _job(tiny: dict[str, Path], root: Path, name: str, memory_every: int, **train: Any) -> Path:
+    data = copy.deepcopy(base_job(tiny, root / "runs", name))
+    data["train"].update({"max_steps": STEPS, "eval_every": None, "log_every": 1, **train})
+    data["checkpoint"].update({"every_steps": EVERY, "keep_last": 2, "memory_every": memory_every})
+    data["run"]["max_failures"] = 3
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _model(tmp_path: Path) -> dict[str, Path]:
+    hidden = size("RAYLIFT_BENCH_HIDDEN", 256, 64)
+    layers = size("RAYLIFT_BENCH_LAYERS", 4, 2)
+    return build_all(tmp_path / "tiny", rows=3000, eval_rows=50, hidden=hidden, layers=layers)
+
+
+def test_hard_kill_ram_tier_vs_storage_only(ray_cluster, tmp_path):
+    tiny = _model(tmp_path)
+
+    def kill(memory_every: int):
+        def once(i: int) -> dict[str, float]:
+            path = _job(tiny, tmp_path, f"hk-{memory_every}-{i}", memory_every)
+            cfg, client, job_id = launch(ray_cluster, path)
+            run_dir = Path(cfg.storage.path) / cfg.run.name
+            metrics = resolve(str(run_dir)).join("metrics.jsonl")
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                if any(r.get("step", 0) >= KILL_AT for r in read_records(metrics)):
+                    break
+                time.sleep(0.02)
+            os.kill(train_workers(client, job_id)[1].pid, signal.SIGKILL)
+            killed = time.time()
+            status, _ = follow(client, job_id, progress=False)
+            assert status == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]
+            records = read_records(metrics)
+            first = min(r["time"] for r in records if r.get("attempt") == 2 and "loss" in r)
+            attempts = [a for a in journal.read(resolve(str(run_dir))) if a["event"] == "attempt"]
+            want = "memory-own" if memory_every else "storage"
+            assert attempts[-1]["restored_from"] == want, attempts
+            return {"seconds": first - killed, "lost_steps": float(attempts[-1]["lost_steps"])}
+
+        return once
+
+    run_benchmark(
+        "memory_tier_recovery",
+        title="Hard kill (worker SIGKILL): steps lost and seconds to the first new step",
+        commands={"ram_tier": kill(1), "storage_only": kill(0)},
+        checks=[
+            Check("ram_lost_steps", lambda r: r["ram_tier"]["lost_steps"], 2, False),
+            Check("storage_lost_steps", lambda r: r["storage_only"]["lost_steps"]),
+            Check("ram_first_step_s", lambda r: r["ram_tier"]["seconds"], None, False, "s"),
+            Check("storage_first_step_s", lambda r: r["storage_only"]["seconds"], None, False, "s"),
+            Check(
+                "first_step_ram_over_storage",
+                lambda r: r["ram_tier"]["seconds"] / r["storage_only"]["seconds"],
+                1.0,
+                False,
+            ),
+        ],
+        metric="seconds",
+        unit="s",
+        setup={"checkpoint_every": EVERY, "kill_at": KILL_AT, "nodes": "head + 2 × 1 CPU"},
+    )
+
+
+def test_snapshot_every_step_throughput(ray_cluster, tmp_path):
+    tiny = _model(tmp_path)
+
+    def run(memory_every: int):
+        def once(i: int) -> dict[str, float]:
+            path = _job(tiny, tmp_path, f"tp-{memory_every}-{i}", memory_every)
+            cfg, _, _ = run_to_end(ray_cluster, path)
+            return {"tokens_per_s": steady_tokens_per_s(history(cfg)[0])}
+
+        return once
+
+    run_benchmark(
+        "memory_tier_throughput",
+        title="Tokens/s with a RAM-tier snapshot every step ÷ without",
+        commands={"every_step": run(1), "off": run(0)},
+        checks=[
+            Check(
+                "tokens_per_s_ratio",
+                lambda r: r["every_step"]["tokens_per_s"] / r["off"]["tokens_per_s"],
+                0.97,
+            ),
+        ],
+        metric="tokens_per_s",
+        unit="tokens/s",
+        setup={"steps": STEPS, "checkpoint_every": EVERY, "nodes": "head + 2 × 1 CPU"},
+    )

@@ -1,0 +1,292 @@
+"""The RAM tier (trainer.checkpoint.memory) on a real Ray cluster on 127.0.0.1: a head and
+two one-CPU nodes, a tiny Llama on gloo, a snapshot every step, a storage checkpoint
+every 10. A hard kill costs at most a step or two and restores from the keepers' memory:
+a SIGKILLed worker from its node's keeper, a node lost without grace from the buddy
+copy, both copies lost from storage, and a kill while a buddy copy is held makes every
+rank restore the same older step. Every run ends with the weights of an uninterrupted
+run, bit for bit."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from tests.support.jobs import base_job
+from tests.support.ray_jobs import history, launch
+from tests.support.torchrun import torchrun
+from tools.jobcli.follow import follow
+from trainer.checkpoint import manager as ckpt_mod
+from trainer.checkpoint.keeper import OWN
+from trainer.observability.metrics import read_records
+from trainer.resilience import journal
+from trainer.storage.location import resolve
+
+pytestmark = pytest.mark.slow
+
+STEPS, EVERY = 40, 10
+FINAL = f"export/{ckpt_mod.dir_name(STEPS)}/model/model.safetensors"
+
+
+def memory_job(
+    root: Path, tiny: dict[str, Path], name: str, memory_every: int = 1, **sections: Any
+) -> Path:
+    data = base_job(tiny, root / "runs", name)
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    data["train"].update({"max_steps": STEPS, "eval_every": None, "log_every": 1})
+    data["checkpoint"].update({"every_steps": EVERY, "keep_last": 2, "memory_every": memory_every})
+    data["run"].update({"max_failures": 5})
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The uninterrupted run (torchrun: the same loop and gloo reductions, no RAM tier)."""
+    root = tmp_path_factory.mktemp("memref")
+    path = memory_job(root, tiny, "mem-ref", memory_every=0)
+    res = torchrun(["-m", "trainer", "run", str(path)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    return load_file(str(root / "runs" / "mem-ref" / FINAL))
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tiny, tmp_path_factory) -> dict[str, torch.Tensor]:
+    root = tmp_path_factory.mktemp("memref-fsdp")
+    path = memory_job(root, tiny, "mem-ref-fsdp", memory_every=0, strategy={"name": "fsdp"})
+    res = torchrun(["-m", "trainer", "run", str(path)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    return load_file(str(root / "runs" / "mem-ref-fsdp" / FINAL))
+
+
+def _run_dir(cfg: Any) -> Path:
+    return Path(cfg.storage.path) / cfg.run.name
+
+
+def _steps(cfg: Any) -> list[dict[str, Any]]:
+    loc = resolve(str(_run_dir(cfg))).join("metrics.jsonl")
+    return [r for r in read_records(loc) if "step" in r and "loss" in r]
+
+
+def _wait(pred, what: str, client: Any, job_id: str, timeout: float = 600.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        status = client.get_job_status(job_id)
+        assert not status.is_terminal(), (
+            f"job ended ({status}) waiting for {what}:\n" + (client.get_job_logs(job_id)[-3000:])
+        )
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _finish(client: Any, job_id: str) -> str:
+    status, _ = follow(client, job_id, progress=False)
+    logs = client.get_job_logs(job_id)
+    assert status == "SUCCEEDED", logs[-5000:]
+    return logs
+
+
+def _attempts(cfg: Any) -> list[dict[str, Any]]:
+    run = resolve(str(_run_dir(cfg)))
+    return [r for r in journal.read(run) if r["event"] == "attempt"]
+
+
+def _check_exact(cfg: Any, reference: dict[str, torch.Tensor]) -> None:
+    _, steps, _ = history(cfg)
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    got = load_file(str(_run_dir(cfg) / FINAL))
+    assert got.keys() == reference.keys()
+    for k, want in reference.items():
+        assert torch.equal(got[k], want), k  # bit-identical, not merely close
+
+
+def _node(cluster: Any, **labels: str) -> Any:
+    found = [
+        n for n, lab in cluster.worker_nodes if all(lab.get(k) == v for k, v in labels.items())
+    ]
+    assert len(found) == 1, cluster.worker_nodes
+    return found[0]
+
+
+def _keepers(cfg: Any, cluster: Any) -> dict[str, Any]:
+    """The run's keepers registered on the cluster now, {node id: handle}."""
+    import ray
+
+    from trainer.checkpoint import memory
+
+    ns = memory.namespace(resolve(str(_run_dir(cfg))).uri, cfg.run.name)
+    if not ray.is_initialized():
+        ray.init(address=cluster.address, namespace="memtier-test", log_to_driver=False)
+    return memory.list_keepers(ns)
+
+
+def _no_keepers_left(cfg: Any, cluster: Any) -> None:
+    """The driver ended the run's keepers: none is listed in the run's namespace."""
+    import ray
+
+    try:
+        assert _keepers(cfg, cluster) == {}
+    finally:
+        ray.shutdown()
+
+
+def test_worker_sigkill_loses_at_most_one_step_and_restores_from_its_node_keeper(
+    ray_cluster, tiny, tmp_path, reference
+):
+    """Rank 1 SIGKILLs itself after step 17 (between storage checkpoints 10 and 20): the
+    new attempt starts from step 16 or 17 out of the keepers, not from storage's 10."""
+    cfg, client, job_id = launch(
+        ray_cluster,
+        memory_job(tmp_path, tiny, "mem-kill"),
+        env={"RAYLIFT_FAULT_KILL_AFTER_STEP": "17"},
+    )
+    _finish(client, job_id)
+    attempts = _attempts(cfg)
+    assert len(attempts) == 2, attempts
+    second = attempts[1]
+    assert second["restored_from"] == "memory-own", second
+    assert 16 <= second["from_step"] <= 17 and second["lost_steps"] <= 1, second
+    _check_exact(cfg, reference)
+    _no_keepers_left(cfg, ray_cluster)
+
+
+def test_fsdp_worker_sigkill_restores_its_shards_from_memory_exactly(
+    ray_cluster, tiny, tmp_path, fsdp_reference
+):
+    """FSDP2 (dcp/2): each rank's shard files travel like any checkpoint file."""
+    cfg, client, job_id = launch(
+        ray_cluster,
+        memory_job(tmp_path, tiny, "mem-fsdp", strategy={"name": "fsdp"}),
+        env={"RAYLIFT_FAULT_KILL_AFTER_STEP": "17"},
+    )
+    _finish(client, job_id)
+    second = _attempts(cfg)[1]
+    assert second["restored_from"] == "memory-own", second
+    assert 16 <= second["from_step"] <= 17 and second["lost_steps"] <= 1, second
+    _check_exact(cfg, fsdp_reference)
+
+
+def test_node_lost_without_grace_loses_at_most_two_steps_and_restores_from_the_buddy(
+    ray_cluster, tiny, tmp_path, reference
+):
+    """Rank 1's node (its raylet, its worker and its keeper) goes at once after step 13;
+    rank 1's share survives only as the copy on rank 0's node, and the run resumes from
+    it when a replacement node joins."""
+    cfg, client, job_id = launch(ray_cluster, memory_job(tmp_path, tiny, "mem-node"))
+
+    def at(step: int):
+        return lambda: [r for r in _steps(cfg) if r["step"] >= step]
+
+    _wait(at(13), "step 13", client, job_id)
+    seen = max(r["step"] for r in _steps(cfg))
+    ray_cluster.kill_node(_node(ray_cluster, pool="cpu"))
+    ray_cluster.add_node(num_cpus=1, labels={"pool": "cpu"})
+    _finish(client, job_id)
+    attempts = _attempts(cfg)
+    assert len(attempts) >= 2, attempts
+    second = attempts[1]
+    assert second["restored_from"] == "memory-buddy", second
+    assert second["from_step"] >= seen - 2 and second["lost_steps"] <= 2, (second, seen)
+    assert second["from_step"] % EVERY != 0 or second["from_step"] > 10, second
+    _check_exact(cfg, reference)
+
+
+def test_node_and_buddy_both_lost_restores_from_storage(ray_cluster, tiny, tmp_path, reference):
+    cfg, client, job_id = launch(ray_cluster, memory_job(tmp_path, tiny, "mem-both"))
+    _wait(lambda: [r for r in _steps(cfg) if r["step"] >= 13], "step 13", client, job_id)
+    ray_cluster.kill_node(_node(ray_cluster, pool="cpu"))
+    ray_cluster.kill_node(_node(ray_cluster, large_cpu_mem="true"))
+    ray_cluster.add_node(num_cpus=1, labels={"large_cpu_mem": "true"})
+    ray_cluster.add_node(num_cpus=1, labels={"pool": "cpu"})
+    _finish(client, job_id)
+    second = _attempts(cfg)[1]
+    assert second["restored_from"] == "storage", second
+    assert second["from_step"] % EVERY == 0, second
+    _check_exact(cfg, reference)
+
+
+def test_a_kill_while_the_buddy_copy_is_held_restores_the_same_older_step_everywhere(
+    ray_cluster, tiny, tmp_path, reference
+):
+    """Step 15's snapshot is on each node's keeper but its copies to the buddies are held
+    when rank 1's node goes: rank 1's step 15 is gone, so every rank restores step 14
+    (rank 0 from its own keeper, rank 1 from the buddy copy on rank 0's node)."""
+    release = tmp_path / "buddy.release"
+    cfg, client, job_id = launch(
+        ray_cluster,
+        memory_job(tmp_path, tiny, "mem-held"),
+        env={"RAYLIFT_FAULT_HOLD_BUDDY": f"15:{release}"},
+    )
+    held = [release.with_name(f"{release.name}.buddy.r{r}") for r in (0, 1)]
+    _wait(lambda: all(p.exists() for p in held), "step 15's buddy copies held", client, job_id)
+    ray_cluster.kill_node(_node(ray_cluster, pool="cpu"))
+    release.touch()  # the survivor's held copy goes on; its attempt is ending anyway
+    ray_cluster.add_node(num_cpus=1, labels={"pool": "cpu"})
+    _finish(client, job_id)
+    second = _attempts(cfg)[1]
+    assert second["from_step"] == 14, second
+    assert second["restored_from"] == "memory-buddy", second
+    _check_exact(cfg, reference)
+
+
+def test_a_keeper_actor_holds_its_own_copy_and_the_driver_helpers_reuse_and_end_it(
+    ray_cluster,
+):
+    import ray
+
+    from trainer.checkpoint import memory
+
+    ns = memory.namespace("/tmp/runs/keeper-test", "keeper test")
+    assert ns.startswith("raylift-mem-keeper-test-")
+    ray.init(address=ray_cluster.address, namespace="memtier-test", log_to_driver=False)
+    try:
+        started = memory.start_keepers(ns)
+        nodes = {n.node_id for n, _ in ray_cluster.worker_nodes}
+        assert set(started) == nodes  # one per worker node, none on the CPU-less head
+        node = sorted(started)[0]
+        files = {"strategy/model.pt": b"\x01" * 300_000}
+        ref = ray.put(files)
+        assert ray.get(started[node].put.remote(3, 0, 1, ref, {"strategy/model.pt": 300_000}))
+        del ref
+        again = memory.start_keepers(ns)  # a resubmitted driver reuses them
+        assert ray.get(again[node].pid.remote()) == ray.get(started[node].pid.remote())
+        inv = ray.get(again[node].inventory.remote())
+        assert inv["shares"] == {3: {0: OWN}} and inv["nbytes"] == 300_000
+        assert ray.get(again[node].get.remote(3, 0)) == files
+        assert memory.end_keepers(ns) == len(nodes)
+        assert memory.list_keepers(ns) == {}
+    finally:
+        memory.end_keepers(ns)
+        ray.shutdown()
+
+
+def test_raylift_stop_ends_the_keepers(ray_cluster, tiny, tmp_path):
+    """A stopped run (Ray's job stop: SIGTERM to the driver, SIGKILL 3 s later) leaves no
+    keeper holding a node's memory."""
+    import ray
+
+    cfg, client, job_id = launch(ray_cluster, memory_job(tmp_path, tiny, "mem-stop"))
+    try:
+        _wait(lambda: [r for r in _steps(cfg) if r["step"] >= 5], "step 5", client, job_id)
+        assert len(_keepers(cfg, ray_cluster)) == 2  # one per worker node
+        client.stop_job(job_id)
+        deadline = time.monotonic() + 120
+        while not client.get_job_status(job_id).is_terminal() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert str(client.get_job_status(job_id)) in ("STOPPED", "JobStatus.STOPPED")
+        deadline = time.monotonic() + 60
+        while _keepers(cfg, ray_cluster) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _keepers(cfg, ray_cluster) == {}
+    finally:
+        ray.shutdown()

@@ -1,0 +1,401 @@
+"""The RAM tier: snapshots of the resume state in peers' host memory, in front of storage.
+
+A hard kill (a SIGKILLed worker, an OOM kill, a node lost without notice) used to cost
+everything since the newest checkpoint in storage. With `checkpoint.memory_every: N`
+every rank sends its share of a checkpoint (the same parts `CheckpointManager.save`
+writes: strategy state, scheduler, RNG, train state) every N steps to its node's keeper
+(`trainer.checkpoint.keeper`), which holds it in its own memory, and then to a buddy
+keeper on another node. A new attempt restores from the newest step every rank can find
+on some keeper, when that is not older than storage's newest complete checkpoint.
+
+How a snapshot travels, off the step's path: the manager stages the state (the memcpy
+async checkpoints already make) and writes it in the background; the tier's own thread
+waits for that write, reads the files and puts them on the rank's keeper, then on the
+buddy, then deletes the folder. One snapshot per rank in flight: the next one waits for
+the previous (it has had a whole interval).
+
+How the run knows a step is safe to drop older ones for (no extra collective): the
+step's all-reduce that counts target tokens carries one flag per rank, "my newest
+snapshot is on both keepers". When every rank says so, that step is confirmed; and
+since a rank starts snapshot L only after its L-1 went through, L-1 is confirmed once
+every rank has started L. The next put carries the confirmed step, and keepers drop
+what is older. A failed put (a keeper lost with its node) sets the second flag, and
+every rank stops the tier for the rest of the attempt (the restart restores).
+
+Restore: every rank reads the keepers' inventories, picks the newest step whose shares
+of every rank are held somewhere (and not older than storage's newest), the ranks agree
+on the smallest pick (an all-reduce), each fetches that step's shares (its own node's
+copy first, then the writer's own keeper, then a buddy copy) into a local folder and
+loads it as it would a checkpoint; if any rank failed, all fall back to storage.
+
+DDP and adapters write the model and optimizer on rank 0 only, so those are held once
+per run plus the buddy copy, never once per rank; FSDP's shards, one per rank. The
+price: each keeper holds up to three snapshots of the shares it keeps (the confirmed
+one, a newer complete one, one arriving), own and buddy (`trainer.planner.memory`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpoint import staging
+from trainer.checkpoint.keeper import BUDDY, OWN, Keeper
+from trainer.resilience import faults
+from trainer.storage.local import scratch_dir
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 120.0
+"""A keeper that does not answer for this long counts as lost."""
+_PREFIX = "raylift-mem-"
+
+
+def namespace(run_uri: str, run_name: str) -> str:
+    """The run's keepers live in a namespace of its own, named from the run (its storage
+    location): a resubmission of the run finds them, another run never does."""
+    digest = hashlib.sha1(run_uri.encode()).hexdigest()[:10]
+    name = "".join(c if c.isalnum() or c in "-_" else "-" for c in run_name)[:40]
+    return f"{_PREFIX}{name}-{digest}"
+
+
+def keeper_name(node_id: str) -> str:
+    return f"keeper-{node_id}"
+
+
+def _keeper_actor(ns: str, node_id: str) -> Any:
+    """The node's keeper, started if it is not there: detached (it outlives a worker
+    group), no CPU, pinned to its node (soft=False: never moved; it dies with the node)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return (
+        ray.remote(Keeper)
+        .options(
+            name=keeper_name(node_id),
+            namespace=ns,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_concurrency=4,
+            max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote(ns, node_id)
+    )
+
+
+def _worker_nodes() -> list[str]:
+    """Alive nodes a training worker can land on (CPUs or GPUs): a head without either
+    keeps no snapshots."""
+    import ray
+
+    return sorted(
+        n["NodeID"]
+        for n in ray.nodes()
+        if n.get("Alive")
+        and (n.get("Resources", {}).get("CPU", 0) > 0 or n.get("Resources", {}).get("GPU", 0) > 0)
+    )
+
+
+def start_keepers(ns: str) -> dict[str, Any]:
+    """The driver's part at start: a keeper on every worker node, left-overs of an
+    earlier driver of the same run reused (they may hold a newer step than storage)."""
+    import ray
+
+    keepers = {node: _keeper_actor(ns, node) for node in _worker_nodes()}
+    ray.get([k.pid.remote() for k in keepers.values()], timeout=CALL_TIMEOUT_S)
+    log.info("RAM tier: %d keepers in namespace %s", len(keepers), ns)
+    return keepers
+
+
+def list_keepers(ns: str) -> dict[str, Any]:
+    """{node_id: handle} of the run's keepers still registered (a dead one is gone)."""
+    import ray
+
+    out = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != ns or not entry["name"].startswith("keeper-"):
+            continue
+        try:
+            out[entry["name"][len("keeper-") :]] = ray.get_actor(entry["name"], namespace=ns)
+        except ValueError:
+            continue  # died meanwhile
+    return out
+
+
+def end_keepers(ns: str) -> int:
+    """The driver's part at the end (success, failure, cancel): every keeper of the run
+    killed, so no snapshot holds a node's memory after it."""
+    import ray
+
+    gone = 0
+    for handle in list_keepers(ns).values():
+        ray.kill(handle, no_restart=True)
+        gone += 1
+    if gone:
+        log.info("RAM tier: %d keepers ended", gone)
+    return gone
+
+
+def _folder_files(out: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()
+    }
+
+
+def holders(inventories: list[dict[str, Any]]) -> dict[int, dict[int, list[tuple[int, str]]]]:
+    """{step: {rank: [(keeper index, kind), ...]}} over every keeper's inventory."""
+    out: dict[int, dict[int, list[tuple[int, str]]]] = {}
+    for i, inv in enumerate(inventories):
+        for step, ranks in inv["shares"].items():
+            for rank, kind in ranks.items():
+                out.setdefault(int(step), {}).setdefault(int(rank), []).append((i, kind))
+    return out
+
+
+def pick_step(inventories: list[dict[str, Any]], world_size: int, not_before: int) -> int:
+    """The newest step whose shares of every rank 0..world_size-1 some keeper holds,
+    written by a group of that world size, not older than `not_before` (storage's
+    newest); -1 if none."""
+    held = holders(inventories)
+    sizes: dict[int, set[int]] = {}
+    for inv in inventories:
+        for step, world in inv.get("world_sizes", {}).items():
+            sizes.setdefault(int(step), set()).add(int(world))
+    for step in sorted(held, reverse=True):
+        if step < not_before:
+            break
+        if sizes.get(step) == {world_size} and set(held[step]) == set(range(world_size)):
+            return step
+    return -1
+
+
+class MemoryTier:
+    """The loop's component: asks its two flags in the step's all-reduce, snapshots
+    every `memory_every` steps after the checkpoint, and restores at an attempt's start.
+    Off (every call a no-op) unless on Ray Train with memory_every > 0."""
+
+    def __init__(self, cfg: Any, rt: Any, manager: Any, device: Any):
+        from trainer.runtime.worker import RayRuntime
+
+        self.rt, self.manager, self.device = rt, manager, device
+        on = isinstance(rt, RayRuntime) and manager.enabled
+        self.every = cfg.checkpoint.memory_every if on else 0
+        self.ns = namespace(rt.run.uri, cfg.run.name)
+        self.stuck_s = cfg.checkpoint.stuck_write_s
+        self.confirmed = -1
+        self.broken = False
+        self._started: list[int] = []
+        self._pending: Future[None] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._own: Any = None
+        self._buddy: Any = None
+        self.node_id = ""
+        if self.every:
+            import ray
+
+            self.node_id = ray.get_runtime_context().get_node_id()
+
+    # ---------------------------------------------------------------- each step
+
+    def ask(self) -> list[float]:
+        """This rank's flags for the step's all-reduce: its newest snapshot is on both
+        keepers; its tier broke."""
+        if not self.every:
+            return [0.0, 0.0]
+        p = self._pending
+        ok = p is None or (p.done() and p.exception() is None)
+        failed = p is not None and p.done() and p.exception() is not None
+        return [float(ok), float(self.broken or failed)]
+
+    def agreed(self, flags: list[float]) -> None:
+        """The flags summed over every rank."""
+        if not self.every or not self._started:
+            if self.every and flags[1] > 0:
+                self._stop("a rank's RAM tier failed")
+            return
+        ok, broken = flags
+        if broken > 0:
+            self._stop("a rank's snapshot did not reach its keepers")
+            return
+        newest = self._started[-1] if ok >= self.rt.world_size else self._previous()
+        self.confirmed = max(self.confirmed, newest)
+
+    def _previous(self) -> int:
+        return self._started[-2] if len(self._started) > 1 else -1
+
+    def _stop(self, why: str) -> None:
+        if not self.broken:
+            log.warning("RAM tier off for this attempt: %s", why)
+        self.broken = True
+
+    def due(self, done: int, is_last: bool) -> bool:
+        return bool(self.every) and not self.broken and not is_last and done % self.every == 0
+
+    def after_step(self, done: int, is_last: bool) -> None:
+        """Snapshot step `done` when due: stage it through the manager (the training
+        thread's part), send it on the tier's thread."""
+        if not self.due(done, is_last):
+            return
+        if self._pending is not None:
+            try:
+                self._pending.result()
+            except Exception as exc:  # reported to every rank through the flags
+                log.warning("snapshot of step %s failed: %s", self._started[-1], exc)
+                self.broken = True
+                return
+        out = self.manager.save({"snapshot": True})
+        self._started = [*self._started[-1:], done]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="raylift-mem")
+        self._pending = self._pool.submit(self._send, done, out, self.confirmed)
+
+    def _keepers(self) -> tuple[Any, Any]:
+        """This rank's node keeper (started here if a new node has none yet) and its
+        buddy: the next keeper's node in id order, another node."""
+        if self._own is None:
+            self._own = _keeper_actor(self.ns, self.node_id)
+        if self._buddy is None:  # looked up again until another node has a keeper
+            others = sorted(n for n in list_keepers(self.ns) if n != self.node_id)
+            after = [n for n in others if n > self.node_id] or others
+            if after:
+                import ray
+
+                self._buddy = ray.get_actor(keeper_name(after[0]), namespace=self.ns)
+        return self._own, self._buddy
+
+    def _send(self, step: int, out: Path, confirmed: int) -> None:
+        import ray
+
+        staging.lower_priority()
+        try:
+            staging.wait_written(out, self.stuck_s, f"the snapshot of step {step}")
+            files = _folder_files(out)
+            sizes = {name: len(b) for name, b in files.items()}
+            ref = ray.put(files)
+            own, buddy = self._keepers()
+            args = (step, self.rt.rank, self.rt.world_size, ref, sizes)
+            if not ray.get(own.put.remote(*args, OWN, confirmed), timeout=CALL_TIMEOUT_S):
+                raise RuntimeError(f"keeper on {self.node_id} refused step {step}")
+            faults.hold(step, "buddy", self.rt.rank, faults.HOLD_BUDDY_ENV)
+            copied = buddy is None or ray.get(
+                buddy.put.remote(*args, BUDDY, confirmed), timeout=CALL_TIMEOUT_S
+            )
+            if not copied:
+                raise RuntimeError(f"buddy keeper refused step {step}")
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+
+    def finish(self) -> None:
+        if self._pending is not None:
+            try:
+                self._pending.result()
+            except Exception as exc:
+                log.warning("last snapshot not kept: %s", exc)
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    # ---------------------------------------------------------------- restore
+
+    def restore(self) -> tuple[str, int] | None:
+        """Collective. Load the newest snapshot every rank can restore that is not older
+        than storage's newest complete checkpoint; ("memory-own" | "memory-buddy", step),
+        or None when the attempt must restore from storage (every rank agrees)."""
+        if not self.every:
+            return None
+        import ray
+
+        from trainer.checkpoint import manager as ckpt_mod
+
+        newest = ckpt_mod.find_latest(self.rt.run, allow_scratch=True)
+        storage_step = ckpt_mod.step_of(newest) if newest is not None else 0
+
+        started = time.monotonic()
+        # This node's keeper first (a node that joined after the driver started has none
+        # yet), so that the other ranks find it as a buddy once this collective is done.
+        self._own = _keeper_actor(self.ns, self.node_id)
+        ray.get(self._own.pid.remote(), timeout=CALL_TIMEOUT_S)
+        keepers = list(list_keepers(self.ns).items())
+        inventories, handles = [], []
+        for node, handle in keepers:
+            try:
+                inv = ray.get(handle.inventory.remote(), timeout=CALL_TIMEOUT_S)
+            except Exception as exc:
+                log.info("keeper on %s not answering: %s", node, exc)
+                continue
+            inventories.append(inv)
+            handles.append(handle)
+        step = pick_step(inventories, self.rt.world_size, max(storage_step, 1))
+        step = int(self._reduce(step, "min"))
+        if step < 0:
+            return None
+        where = holders(inventories).get(step, {})
+        # A share whose writer's own keeper is gone (its node lost) comes from a buddy copy.
+        buddy_used = int(any(all(k != OWN for _, k in where.get(r, [])) for r in where))
+        folder = scratch_dir(f"raylift-mem-restore-{step}-")
+        ok = 1
+        try:
+            for rank in range(self.rt.world_size):
+                choices = sorted(
+                    where.get(rank, []),
+                    key=lambda c: (
+                        inventories[c[0]]["node_id"] != self.node_id,
+                        c[1] != OWN,
+                    ),
+                )
+                for i, _kind in choices:
+                    try:
+                        files = ray.get(handles[i].get.remote(step, rank), timeout=CALL_TIMEOUT_S)
+                    except Exception as exc:
+                        log.info("share %d of step %d not read: %s", rank, step, exc)
+                        continue
+                    if files is None:
+                        continue
+                    for name, data in files.items():
+                        path = folder / name
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        path.write_bytes(data)
+                    break
+                else:
+                    raise RuntimeError(f"no keeper holds rank {rank}'s share of step {step}")
+            self.manager.restore(folder)
+        except Exception as exc:
+            log.warning("RAM tier restore of step %d failed (%s); storage instead", step, exc)
+            ok = 0
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        if self._reduce(ok, "min") < 1:
+            return None
+        source = "memory-buddy" if self._reduce(buddy_used, "max") else "memory-own"
+        if self.rt.rank == 0:
+            log.info(
+                "restored step %d from the RAM tier (%s) in %.2f s",
+                step,
+                source,
+                time.monotonic() - started,
+            )
+        self.confirmed = step
+        return source, step
+
+    def _reduce(self, value: float, op: str) -> float:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        if self.rt.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
+        return float(t.item())
+
+
+def pid_of_keepers(ns: str) -> dict[str, int]:
+    """{node_id: pid} of the run's keepers (tests, the bench)."""
+    import ray
+
+    return {n: ray.get(h.pid.remote(), timeout=CALL_TIMEOUT_S) for n, h in list_keepers(ns).items()}
