@@ -379,11 +379,19 @@ def write_locks(
 
     Versions are decided once per leaf image, from all the inputs along its chain: resolving
     base alone would pick the newest python-dateutil, which boto3 in trainer cannot take.
-    Each image then resolves its own chain constrained to that answer, and its lock holds
-    what it pulls in beyond its parents' locks. Images that share a lock file (trainer-gpu,
-    trainer-cpu) get the union; a version the chains disagree on is an error.
+    An image that is not regenerated (`lock --only trainer-gpu` leaves base-gpu and bnb as
+    they are) enters that answer with its lock's exact pins, not its requirements input:
+    its image is built already from that lock, so a child must be resolved around what the
+    parent installs (otherwise the answer moves a parent's transitive pin, say virtualenv,
+    and the child's resolution contradicts the parent's lock). Each image then resolves its
+    own chain constrained to that answer, and its lock holds what it pulls in beyond its
+    parents' locks. Images that share a lock file (trainer-gpu, trainer-cpu) are regenerated
+    together and get the union; a version the chains disagree on is an error.
     """
     wanted = set(names)
+    # A lock file is written whole: every image sharing it is regenerated with it.
+    shared_locks = {graph.images[n].lock for n in wanted}
+    wanted |= {n for n, spec in graph.images.items() if spec.lock in shared_locks}
     order = build_order(graph)
     leaves = [n for n in order if not any(s.base == n for s in graph.images.values())]
     leaf_of = {}
@@ -393,7 +401,11 @@ def write_locks(
         if not wanted.intersection(names_in_chain):
             continue
         merged = merged_lock_check(graph, names_in_chain)
-        inputs_by_node = [read_pins(root / graph.images[n].requirements) for n in names_in_chain]
+        specs = [graph.images[n] for n in names_in_chain]
+        inputs_by_node = [
+            read_pins(root / (spec.requirements if n in wanted else spec.lock))
+            for n, spec in zip(names_in_chain, specs, strict=True)
+        ]
         inputs, _ = resolvable([p for pins in inputs_by_node for p in pins], merged)
         log.info("resolving the %s chain (%s)", leaf, " -> ".join(names_in_chain))
         solution = resolve(inputs, python=graph.python, glibc=graph.glibc, runner=runner)

@@ -287,14 +287,35 @@ def shipped_ds_configs() -> list[dict]:
 
 
 def ops_needed(config: dict, variant: str) -> set[str]:
-    """The compiled DeepSpeed op that steps this config's optimizer on this variant."""
-    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    """The compiled DeepSpeed ops this config steps and swaps with on this variant."""
+    zero = config.get("zero_optimization") or {}
+    offload = zero.get("offload_optimizer") or {}
+    devices = {
+        (zero.get(part) or {}).get("device") for part in ("offload_optimizer", "offload_param")
+    }
     optimizer = str((config.get("optimizer") or {}).get("type", "")).lower()
-    if offload.get("device") == "cpu" or variant == "cpu":
-        return {"cpu_adam"}
-    if optimizer in {"adam", "adamw"} and not (config.get("optimizer") or {}).get("torch_adam"):
-        return {"fused_adam"}
-    return set()
+    ops = set()
+    if "nvme" in devices:
+        # The swappers go through async_io (libaio), whose load() loads pin_memory first.
+        ops |= {"async_io", "pin_memory"}
+    if offload.get("device") in ("cpu", "nvme") or variant in ("cpu", "ccl"):
+        ops.add("cpu_adam")  # an offloaded optimizer (to RAM or NVMe) steps on the CPU
+    elif optimizer in {"adam", "adamw"} and not (config.get("optimizer") or {}).get("torch_adam"):
+        ops.add("fused_adam")
+    return ops
+
+
+def test_ops_needed_reads_an_nvme_offload() -> None:
+    nvme = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}
+    assert ops_needed(nvme, "gpu") == {"cpu_adam", "async_io", "pin_memory"}
+    params = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
+              "optimizer": {"type": "AdamW"}}  # fmt: skip
+    assert ops_needed(params, "gpu") == {"fused_adam", "async_io", "pin_memory"}
+    assert ops_needed(REFERENCE_DS_CONFIGS[0], "gpu") == {"cpu_adam"}
+
+
+def runtime_of(text: str) -> str:
+    return _stage(text, "runtime")
 
 
 def _stage(text: str, name: str) -> str:
@@ -305,14 +326,51 @@ def _stage(text: str, name: str) -> str:
     raise AssertionError(f"no stage {name}")
 
 
-@pytest.mark.parametrize("variant", ["gpu", "cpu"])
+@pytest.mark.parametrize("variant", ["gpu", "cpu", "ccl"])
 def test_deepspeed_ops_are_prebuilt_exactly_as_needed(graph, variant: str) -> None:
     spec = graph.images[f"trainer-{variant}"]
-    needed = set().union(
-        *(ops_needed(c, variant) for c in REFERENCE_DS_CONFIGS + shipped_ds_configs())
-    )
+    configs = shipped_ds_configs()
+    template = REPO_ROOT / "tests/data/ray_template/zero_3_llama_2_70b.json"
+    import json
+
+    assert json.loads(template.read_text()) in configs  # the Ray template's NVMe offload
+    needed = set().union(*(ops_needed(c, variant) for c in REFERENCE_DS_CONFIGS + configs))
     assert set(spec.args["DS_PREBUILD_OPS"].split()) == needed
     assert "cpu_adam" in needed  # ZeRO offload, which the presets rely on
+    assert {"async_io", "pin_memory"} <= needed  # NVMe offload: the template's 70B file
+
+
+def test_each_listed_op_switches_on_deepspeeds_own_build_variable(graph) -> None:
+    """The Dockerfile's loop turns op names into DeepSpeed's BUILD_VARs (async_io's is
+    DS_BUILD_AIO): run it, and compare with the builders of the DeepSpeed the lock pins."""
+    text = (REPO_ROOT / "images/trainer/Dockerfile").read_text()
+    build = _stage(text, "deepspeed-wheel")
+    start = build.index("for op in ${DS_PREBUILD_OPS}")
+    loop = build[start : build.index("done", start) + len("done")]
+    loop = "\n".join(
+        ln for ln in loop.replace("\\\n", "\n").splitlines() if not ln.strip().startswith("#")
+    )
+    ops = sorted({op for n in graph.images if n.startswith("trainer-")
+                  for op in graph.images[n].args["DS_PREBUILD_OPS"].split()})  # fmt: skip
+    script = f"DS_PREBUILD_OPS='{' '.join(ops)}'; {loop}; env | grep '^DS_BUILD_' | sort"
+    exported = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
+    probe = (
+        "import sys; from deepspeed.ops.op_builder.all_ops import ALL_OPS; "
+        "print(' '.join(ALL_OPS[op].BUILD_VAR + '=1' for op in sorted(sys.argv[1:])))"
+    )
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    wanted = subprocess.run([sys.executable, "-c", probe, *ops], capture_output=True, text=True,
+                            env=env, check=True).stdout.split()  # fmt: skip
+    assert "DS_BUILD_AIO=1" in wanted
+    assert sorted(exported.stdout.split()) == sorted(wanted)
+    # DeepSpeed's CPU builder drops async_io's -laio from the link: the loop adds it for CPU.
+    for accelerator, linked in (("cpu", True), ("cuda", False)):
+        flags = subprocess.run(
+            ["bash", "-c", f"DS_ACCELERATOR={accelerator}; {script.split('; env')[0]}; "
+             'echo "$LDFLAGS"'],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        assert ("-Wl,--no-as-needed -laio" in flags) is linked, (accelerator, flags)
 
 
 def test_deepspeed_wheel_is_built_with_a_compiler_and_only_the_wheel_ships(graph) -> None:
@@ -327,11 +385,36 @@ def test_deepspeed_wheel_is_built_with_a_compiler_and_only_the_wheel_ships(graph
     assert any(p.startswith("nvidia-cuda-nvcc==13.0.") for p in cuda_pins)
     assert "DS_CUDA_PIP" not in graph.images["trainer-cpu"].args
     # Each listed op is switched on for the build; nothing is left to JIT on the node.
-    assert "for op in ${DS_PREBUILD_OPS}" in build and 'export "DS_BUILD_$(echo' in build
+    assert "for op in ${DS_PREBUILD_OPS}" in build and 'export "DS_BUILD_${var}=1"' in build
     assert "DS_BUILD_OPS=0 pip wheel" in build
+    # async_io: DeepSpeed's probe links a call to io_submit against libaio's headers here, and
+    # the runtime carries only the library (Debian 12: libaio1), which the op must resolve.
+    assert "libaio-dev" in build and "libaio-dev" not in runtime_of(text)
+    assert re.search(r"apt-get install -y --no-install-recommends libaio1\b", runtime_of(text))
+    assert "async_io_op" in runtime_of(text) and "libaio" in runtime_of(text)
     runtime = _stage(text, "runtime")
     assert "--no-binary=deepspeed" not in runtime, "the runtime must not build DeepSpeed again"
     assert "from=deepspeed-wheel,source=/wheels" in runtime
+    assert "COPY --from=deepspeed-wheel /deepspeed-wheel.sha256" in runtime  # see the next test
     assert "DS_BUILD_OPS=0" not in runtime
     assert "g++" not in runtime and "nvcc" not in runtime
     assert "installed_ops" in runtime  # the build fails if an op did not make it in
+
+
+def test_a_run_mounting_another_stage_is_keyed_on_what_it_mounts() -> None:
+    """buildah 1.28 keys a RUN's cache on its text, not on what a bind mount from another
+    stage brings in: a warm build once installed the previous DeepSpeed wheel (its ops built
+    another way) from a cached layer. Something of that stage must be COPYed in first (a COPY
+    is keyed on the files), so a new wheel invalidates the RUN. (bnb's runtime mounts its
+    wheel after the VCS_REF label, so every commit reruns it; it is not held to this.)"""
+    dockerfile = REPO_ROOT / "images/trainer/Dockerfile"
+    text = dockerfile.read_text()
+    parts = re.split(r"^(FROM .*)$", text, flags=re.MULTILINE)
+    for header, body in zip(parts[1::2], parts[2::2], strict=True):
+        for run in re.finditer(r"^RUN (?:.*\\\n)*.*$", body, flags=re.MULTILINE):
+            for stage in re.findall(r"--mount=type=bind,from=([\w.-]+)", run.group(0)):
+                before = body[: run.start()]
+                assert re.search(rf"^COPY --from={re.escape(stage)} ", before, re.MULTILINE), (
+                    f"{dockerfile.name} ({header}): a RUN mounts from {stage} with nothing of "
+                    f"{stage} COPYed before it"
+                )

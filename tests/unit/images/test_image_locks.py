@@ -91,7 +91,8 @@ def test_ccl_binding_matches_its_torch(tool, graph) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["base-gpu", "base-cpu", "base-ccl", "bnb", "ccl", "trainer-gpu", "trainer-cpu"]
+    "name",
+    ["base-gpu", "base-cpu", "base-ccl", "bnb", "ccl", "trainer-gpu", "trainer-cpu", "trainer-ccl"],
 )
 def test_requirements_inputs_are_in_their_lock(tool, graph, name: str) -> None:
     spec = graph.images[name]
@@ -100,6 +101,22 @@ def test_requirements_inputs_are_in_their_lock(tool, graph, name: str) -> None:
     for pin in tool.read_pins(REPO_ROOT / spec.requirements):
         assert pin.key in locked, f"{spec.requirements}: {pin} missing from the locks"
         assert locked[pin.key].version == pin.version, f"{spec.requirements}: {pin} vs lock"
+
+
+def test_trainer_ccl_takes_the_trainer_pins_less_torchao(tool, graph) -> None:
+    """torchao 0.18 (QLoRA under FSDP2) needs torch >= 2.11 and its wheel does not declare
+    torch, so pip would put it beside ccl's torch 2.8 unnoticed: ccl has an input of its own,
+    which must stay the trainer's otherwise."""
+    trainer, ccl = graph.images["trainer-cpu"], graph.images["trainer-ccl"]
+    assert graph.images["trainer-gpu"].lock == trainer.lock != ccl.lock
+    main = {str(p) for p in tool.read_pins(REPO_ROOT / trainer.requirements)}
+    other = {str(p) for p in tool.read_pins(REPO_ROOT / ccl.requirements)}
+    assert main - other == {f"torchao=={_train_extra_pins()['torchao']}"}
+    assert other <= main
+    assert "torchao" in {p.key for p in tool.read_pins(REPO_ROOT / trainer.lock)}
+    assert "torchao" not in {p.key for p in tool.read_pins(REPO_ROOT / ccl.lock)}
+    base = {p.key: p.version for p in tool.read_pins(REPO_ROOT / graph.images["base-ccl"].lock)}
+    assert base["torch"].startswith("2.8.")
 
 
 def test_read_pins_refuses_ranges(tool, tmp_path: Path) -> None:
@@ -298,6 +315,7 @@ def test_write_locks_layers_pins_by_image(tool, tmp_path: Path, monkeypatch) -> 
         "images/bnb/requirements.lock",
         "images/ccl/requirements.lock",
         "images/trainer/requirements.lock",
+        "images/trainer/requirements-ccl.lock",
     }
 
     def pins(rel: str) -> set[str]:
@@ -317,4 +335,83 @@ def test_write_locks_layers_pins_by_image(tool, tmp_path: Path, monkeypatch) -> 
     assert {"deepspeed==0.19.8", "einops==1.0", "nvidia-ml-py==1.0", "boto3==1.44.5"} <= trainer
     assert "common==2.0" not in trainer  # already in base
     header = (tmp_path / "images/trainer/requirements.lock").read_text().splitlines()[0]
-    assert "trainer-gpu, trainer-cpu, trainer-ccl" in header
+    assert "for trainer-gpu, trainer-cpu;" in header
+    ccl = pins("images/trainer/requirements-ccl.lock")
+    assert "torchao==0.18.0" in trainer and not any(p.startswith("torchao") for p in ccl)
+
+
+class IndexUv:
+    """uv against a tiny index: every requirement at its pin, its dependencies (`deps`) at a
+    pin or constraint where there is one and at the index's newest version otherwise; a pin
+    that contradicts another pin or a constraint fails as uv does. Records each call's
+    requirements."""
+
+    def __init__(self, newest: dict[str, str], deps: dict[str, list[str]]) -> None:
+        self.newest, self.deps = newest, deps
+        self.inputs: list[list[str]] = []
+
+    def __call__(self, cmd, env):
+        def pins(path: str) -> list[tuple[str, str | None]]:
+            found = []
+            for line in Path(path).read_text().split("\n"):
+                match = re.match(r"^([A-Za-z0-9._-]+)(?:\[[^\]]+\])?(?:==(\S+))?", line.strip())
+                if match:
+                    found.append((re.sub(r"[-_.]+", "-", match[1]).lower(), match[2]))
+            return found
+
+        constraints = dict(pins(_arg(cmd, "--constraint"))) if "--constraint" in cmd else {}
+        requested = pins(cmd[-1])
+        self.inputs.append([f"{n}=={v}" if v else n for n, v in requested])
+        chosen: dict[str, str] = {}
+        for name, version in requested:
+            for other in (chosen.get(name), constraints.get(name)):
+                if version and other and other != version:
+                    return subprocess.CompletedProcess(
+                        cmd, 1, "", f"error: No solution found: {name}=={version} vs {other}"
+                    )
+            if version:
+                chosen[name] = version
+        todo = [name for name, _ in requested]
+        while todo:
+            name = todo.pop()
+            if name not in chosen:
+                chosen[name] = constraints.get(name) or self.newest.get(name, "1.0")
+            todo += [d for d in self.deps.get(name, []) if d not in chosen]
+        lines = [f"{n}=={v}" for n, v in sorted(chosen.items())]
+        Path(_arg(cmd, "--output-file")).write_text("\n".join(lines) + "\n")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+
+def test_a_child_lock_keeps_the_versions_its_parents_locked(tool, tmp_path: Path, monkeypatch):
+    """`lock --only trainer-cpu`: base-cpu's image is built from its lock (virtualenv 21.15.8,
+    through ray), while the index now has a newer virtualenv. The trainer's lock must be
+    resolved around what base installs, not around base's requirements input resolved anew
+    (which picks the newest virtualenv and then contradicts base's lock)."""
+    import shutil
+
+    from tools.imagetool import locks
+
+    shutil.copytree(REPO_ROOT / "images", tmp_path / "images")
+    graph = tool.load_graph(tmp_path / "images" / "graph.yaml", tmp_path)
+    base_lock = tmp_path / graph.images["base-cpu"].lock
+    before = base_lock.read_text()
+    locked = {p.key: p.version for p in tool.read_pins(base_lock)}
+    assert locked["virtualenv"] == "21.15.8"
+    monkeypatch.setattr(locks, "sdist_requires", lambda name, version, check: ("einops",))
+    uv = IndexUv(newest={"virtualenv": "21.15.11"}, deps={"ray": ["virtualenv"]})
+
+    written = tool.write_locks(graph, tmp_path, ["trainer-cpu"], runner=uv)
+
+    assert [p.relative_to(tmp_path).as_posix() for p in written] == [
+        graph.images["trainer-cpu"].lock
+    ]
+    assert base_lock.read_text() == before  # a parent is never rewritten by its child
+    # The chain's answer was computed with base's locked pins, so it kept base's virtualenv.
+    assert "virtualenv==21.15.8" in uv.inputs[0]
+    trainer = {
+        p.key: p.version for p in tool.read_pins(tmp_path / graph.images["trainer-cpu"].lock)
+    }
+    assert "virtualenv" not in trainer and trainer["deepspeed"] == "0.19.8"
+    # trainer-gpu shares the file: it is regenerated too, so the file still holds both.
+    header = (tmp_path / graph.images["trainer-cpu"].lock).read_text().splitlines()[0]
+    assert "trainer-gpu, trainer-cpu" in header

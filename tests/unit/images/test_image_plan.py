@@ -42,7 +42,7 @@ def test_full_plan_order_tags_and_args(tool, graph, git) -> None:
         "BASE_IMAGE": f"{ECR}/raylift/bnb:bnb-0.1.0-0123456",
         "DS_ACCELERATOR": "cuda",
         "DS_CUDA_PIP": graph.images["trainer-gpu"].args["DS_CUDA_PIP"],
-        "DS_PREBUILD_OPS": "cpu_adam fused_adam",
+        "DS_PREBUILD_OPS": "cpu_adam fused_adam async_io pin_memory",
         "LOCK_FILE": "images/trainer/requirements.lock",
         "SOURCE_URL": "https://example.invalid/raylift.git",
         "VCS_REF": SHA,
@@ -53,6 +53,7 @@ def test_full_plan_order_tags_and_args(tool, graph, git) -> None:
         == f"{ECR}/raylift/base:base-cpu-0.1.0-0123456"
     )
     assert by_name["trainer-ccl"].build_args["BASE_IMAGE"] == f"{ECR}/raylift/ccl:ccl-0.1.0-0123456"
+    assert by_name["trainer-ccl"].build_args["LOCK_FILE"] == "images/trainer/requirements-ccl.lock"
     base = by_name["base-gpu"]
     assert "BASE_IMAGE" not in base.build_args
     assert base.build_args["LOCK_FILE"] == "images/base/requirements-gpu.lock"

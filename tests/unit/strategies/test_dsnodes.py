@@ -28,10 +28,47 @@ def test_a_folder_that_cannot_be_written_is_refused():
 
 
 def test_an_existing_folder_passes_exactly_when_deepspeeds_async_io_op_can_run(tmp_path):
-    """DeepSpeed's probe needs libaio; this machine and the trainer images lack it, so
-    the folder passes and the op is what is refused."""
+    """DeepSpeed's probe needs libaio (this machine lacks it, so the folder passes and the
+    op is what is refused); the trainer images carry it with the op prebuilt
+    (tests/integration/test_images.py)."""
     problem = dsnodes.local_problem({KEY: str(tmp_path)})
     if dsnodes.async_io_available():
         assert problem is None
     else:
         assert problem is not None and problem.startswith("DeepSpeed's async_io op cannot run")
+
+
+class _Builder:
+    name = "async_io"
+
+    def __init__(self, loads: bool, compatible: bool) -> None:
+        self.loads, self.compatible, self.loaded = loads, compatible, False
+
+    def load(self, verbose: bool = False):
+        if not self.loads:
+            raise ImportError("libaio.so.1: cannot open shared object file")
+        self.loaded = True
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        return self.compatible
+
+
+@pytest.mark.parametrize(
+    ("prebuilt", "loads", "compatible", "available"),
+    [
+        (True, True, False, True),  # the trainer images: prebuilt, no compiler for the probe
+        (True, False, True, False),  # prebuilt, but libaio's library is missing
+        (False, False, True, True),  # JIT: DeepSpeed's probe compiles against libaio
+        (False, False, False, False),
+    ],
+)
+def test_a_prebuilt_async_io_op_counts_when_it_loads(monkeypatch, prebuilt, loads, compatible,
+                                                      available):  # fmt: skip
+    import deepspeed.git_version_info as info
+    import deepspeed.ops.op_builder as op_builder
+
+    builder = _Builder(loads, compatible)
+    monkeypatch.setattr(op_builder, "AsyncIOBuilder", lambda: builder)
+    monkeypatch.setitem(info.installed_ops, "async_io", prebuilt)
+    assert dsnodes.async_io_available() is available
+    assert builder.loaded is (prebuilt and loads)

@@ -1,6 +1,6 @@
 """What a DeepSpeed NVMe offload needs of the worker nodes, checked on each of them before
 any worker starts: the `nvme_path` exists and is writable there, and DeepSpeed's async
-I/O op can run (it needs libaio, which the trainer images do not carry). The Ray
+I/O op can run (it needs libaio; the trainer images carry it and the op prebuilt). The Ray
 template's 70B file offloads the optimizer to `/mnt/local_storage/zero`; on a node
 without that folder, or without libaio, DeepSpeed fails only once every worker has
 loaded its share of the model. Here it fails in one line at submission.
@@ -35,24 +35,36 @@ def local_problem(paths: dict[str, str]) -> str | None:
             )
     if not async_io_available():
         return (
-            "DeepSpeed's async_io op cannot run here (libaio is missing: the trainer images "
-            "do not carry it); set the offload device to cpu, or use an image with "
-            "libaio-dev installed"
+            "DeepSpeed's async_io op cannot run here (libaio is missing, or the op is neither "
+            "prebuilt nor buildable); set the offload device to cpu, or use the trainer "
+            "images (libaio and the op prebuilt) or an image with libaio-dev and a compiler"
         )
     return None
 
 
 def async_io_available() -> bool:
-    """DeepSpeed's own compatibility probe for its NVMe op (libaio headers and library)."""
+    """Whether DeepSpeed's NVMe op can run here. Prebuilt into the installed DeepSpeed (the
+    trainer images, which have no compiler): it must load (libaio's library present).
+    Otherwise DeepSpeed's own probe for a JIT build: libaio's headers and library, linked
+    by a compiler."""
     import torch
 
     from trainer.strategies.deepspeed.engine import prepare_environment
 
     prepare_environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    from deepspeed.git_version_info import installed_ops
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     builder = AsyncIOBuilder()
-    return bool(builder is not None and builder.is_compatible(verbose=False))
+    if builder is None:
+        return False
+    if installed_ops.get(builder.name):
+        try:
+            builder.load(verbose=False)
+        except (ImportError, OSError, RuntimeError):
+            return False
+        return True
+    return bool(builder.is_compatible(verbose=False))
 
 
 def check_ray_nodes(paths: dict[str, str], source: str, use_gpu: bool) -> None:
