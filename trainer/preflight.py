@@ -23,6 +23,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     max_positions: int | None = None
     hidden_size: int | None = None
+    params: int | None = None
     deepspeed: dict | None = None
     """The final DeepSpeed config (every "auto" filled), built where the model's config
     could be read; the driver checks its NVMe paths on the worker nodes before launch."""
@@ -58,6 +59,12 @@ def check_model(cfg: JobConfig, strict: bool, report: Report) -> None:
     report.max_positions = limit
     hidden = mcfg.get("hidden_size")
     report.hidden_size = hidden if isinstance(hidden, int) else None
+    from trainer.planner.shape import ModelShape
+
+    try:
+        report.params = ModelShape.from_hf_config(mcfg, src).params
+    except Exception:  # an architecture the planner does not model
+        report.params = None
     if cfg.model_parallel > 1:
         from trainer.parallel.layout import check_model_layout
 
@@ -223,3 +230,26 @@ def check_strategy(cfg: JobConfig, strict: bool, report: Report) -> None:
     if report.hidden_size is not None:
         dsconfig.check(ds, where)
         report.deepspeed = ds
+    _check_cpu_nvme_swap(cfg, ds, where, report.params)
+
+
+def _check_cpu_nvme_swap(cfg: JobConfig, ds: dict, where: str, params: int | None) -> None:
+    """DeepSpeed 0.19.8 swaps optimizer state to NVMe through its aio op; on CPU workers
+    that path hangs after its first write (aio.overlap_events on, the template's value) or
+    turns the loss NaN at the first swapped step (off), where the same run with device cpu
+    trains. It swaps a tensor only at max(1 MiB, aio.block_size) or more, so a state that
+    small never touches it; anything bigger is refused on CPU workers here (where the
+    model's config is read: on the driver at the latest)."""
+    from trainer.strategies.deepspeed import config as dsconfig
+
+    if cfg.scaling.use_gpu or dsconfig.offload_device(ds, "offload_optimizer") != "nvme":
+        return
+    smallest = max(2**20, int(ds.get("aio", {}).get("block_size", 2**20)))
+    per_tensor = 4 * (params or 0) / max(1, cfg.scaling.max_workers)  # fp32, one ZeRO share
+    if params is not None and per_tensor >= smallest:
+        raise ConfigError(
+            f"{where}: zero_optimization.offload_optimizer.device nvme on CPU workers "
+            "(scaling.use_gpu false): DeepSpeed 0.19.8's CPU NVMe swap hangs (aio."
+            "overlap_events true) or turns the loss NaN at its first swapped step (false); "
+            "set the offload device to cpu on CPU workers"
+        )

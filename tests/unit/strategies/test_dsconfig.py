@@ -207,3 +207,28 @@ def test_zero3_placeholder_parameters_are_grouped_by_their_full_shape():
     decay, no_decay = param_groups(model, 0.1)
     assert [p.ds_shape for p in decay["params"]] == [torch.Size([3, 4])]
     assert [p.ds_shape for p in no_decay["params"]] == [torch.Size([3])]
+
+
+def test_nvme_offload_on_cpu_workers_is_refused_once_deepspeed_would_swap(job, tiny, tmp_path):
+    """DeepSpeed 0.19.8's CPU NVMe swap hangs (aio.overlap_events true, the template's
+    value) or turns the loss NaN at its first swapped step (false; the same run with
+    device cpu trains): seen in the CPU image with a 0.5M-parameter Llama. A state under
+    its smallest swap (1 MiB a tensor) never reaches it and runs; GPUs are not refused."""
+    from trainer.preflight import run_all
+
+    source = TEMPLATE / "zero_3_llama_2_70b.json"
+    args = ["strategy.name=deepspeed", f"strategy.config={source}"]
+    small = run_all(load_config(job(), args), strict=False)  # the tiny Llama: 0.56 MB a tensor
+    assert small.params is not None and 4 * small.params < 2**20
+    big = tmp_path / "big"
+    big.mkdir()
+    conf = json.loads((tiny["model"] / "config.json").read_text())
+    (big / "config.json").write_text(json.dumps({**conf, "hidden_size": 256}))
+    with pytest.raises(ConfigError) as exc:
+        run_all(
+            load_config(job(), [*args, f"model.path={big}", f"model.tokenizer={tiny['model']}"]),
+            strict=False,
+        )
+    msg = str(exc.value)
+    assert "\n" not in msg and "offload_optimizer.device nvme on CPU workers" in msg
+    assert "set the offload device to cpu" in msg

@@ -72,3 +72,24 @@ def test_a_prebuilt_async_io_op_counts_when_it_loads(monkeypatch, prebuilt, load
     monkeypatch.setitem(info.installed_ops, "async_io", prebuilt)
     assert dsnodes.async_io_available() is available
     assert builder.loaded is (prebuilt and loads)
+
+
+def test_a_folder_under_the_nodes_local_nvme_is_made_and_elsewhere_it_is_not(tmp_path, monkeypatch):
+    """A Raylift node's instance store is mounted empty at RAYLIFT_LOCAL_STORAGE: the
+    template's nvme_path under it is made, so the file runs unchanged; a path elsewhere
+    is still refused."""
+    from trainer.storage import local
+
+    mount = tmp_path / "local_storage"
+    mount.mkdir()
+    monkeypatch.setenv(local.ENV, str(mount))
+    monkeypatch.setattr(dsnodes, "async_io_available", lambda: True)
+    assert dsnodes.local_problem({KEY: str(mount / "zero")}) is None
+    assert (mount / "zero").is_dir()
+    elsewhere = tmp_path / "elsewhere" / "zero"
+    assert "does not exist" in dsnodes.local_problem({KEY: str(elsewhere)})
+    assert not elsewhere.exists()
+    # Without the mount (a laptop, CI, a node with no instance store) nothing is made.
+    monkeypatch.delenv(local.ENV)
+    assert "does not exist" in dsnodes.local_problem({KEY: str(mount / "other")})
+    assert not (mount / "other").exists()

@@ -20,6 +20,7 @@ def local_problem(paths: dict[str, str]) -> str | None:
     """Why NVMe offload to `paths` ({json key: folder}) cannot run on this node; None if it
     can. Paths first (the common mistake), then the op."""
     for key, path in paths.items():
+        _make_under_local_storage(path)
         if not os.path.isdir(path):
             return (
                 f"{key} {path} does not exist; create it on every worker node (a local NVMe "
@@ -40,6 +41,24 @@ def local_problem(paths: dict[str, str]) -> str | None:
             "images (libaio and the op prebuilt) or an image with libaio-dev and a compiler"
         )
     return None
+
+
+def _make_under_local_storage(path: str) -> None:
+    """A folder under this node's instance-store NVMe mount (RAYLIFT_LOCAL_STORAGE, which
+    every fresh instance gets empty) is made here, so the template's `nvme_path:
+    /mnt/local_storage/zero` runs unchanged on a Raylift node. Anywhere else a missing
+    folder stays the user's mistake to fix."""
+    from trainer.storage.local import local_storage
+
+    root = local_storage()
+    if root is None or os.path.isdir(path):
+        return
+    real = os.path.realpath(path)
+    if os.path.commonpath([real, os.path.realpath(root)]) == os.path.realpath(root):
+        try:
+            os.makedirs(real, exist_ok=True)
+        except OSError:
+            return  # reported below as missing or not writable
 
 
 def async_io_available() -> bool:
