@@ -34,11 +34,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+ISOLATED_HOME = Path(tempfile.mkdtemp(prefix="rl-autoscale-home-"))
+"""HOME for this cluster's processes: Ray reads a token from ~/.ray/auth_token, and one
+left there (by any Ray cluster with token auth on this machine) put the head in token mode
+while its job had none: every autoscaling test failed on a machine that had one."""
+
+
 def node_env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "PYTEST_"))}
     env.update(aws_env())
     env.update(
         {
+            "HOME": str(ISOLATED_HOME),
             "PYTHONPATH": str(ROOT),  # Ray's monitor imports trainer.autoscaling.provider
             "PATH": str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", ""),
             "RAY_USAGE_STATS_ENABLED": "0",
