@@ -36,9 +36,12 @@ if not os.environ.get("RAYLIFT_RAY_DEFAULTS"):
     os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
     # The GCS declares a node dead after missing health checks (30 s by Ray's defaults); the
     # node-loss tests kill raylets, and a real node loss is noticed faster than a slow test.
+    # A killed raylet refuses the check at once, so five misses take ~5 s; a live node on a
+    # loaded 2-core machine gets 2 s to answer each (at 1 s and 3 misses, a loaded CI saw a
+    # live node declared dead in the middle of an elastic run).
     os.environ.setdefault("RAY_health_check_period_ms", "1000")
-    os.environ.setdefault("RAY_health_check_timeout_ms", "1000")
-    os.environ.setdefault("RAY_health_check_failure_threshold", "3")
+    os.environ.setdefault("RAY_health_check_timeout_ms", "2000")
+    os.environ.setdefault("RAY_health_check_failure_threshold", "5")
     # After a node loss, Ray Train's elastic policy may first try the old size on stale
     # resource data and wait this long (60 s by default) before settling for fewer workers.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")

@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.support.jobs import write_job
-from tests.support.ray_jobs import history
+from tests.support.ray_jobs import history, wait_for
 from tools.jobcli import submit, verbs, waiting
 from tools.jobcli.follow import follow
 from trainer.config import load_config
@@ -27,22 +26,6 @@ from trainer.observability.metrics import read_records
 from trainer.storage.location import resolve
 
 pytestmark = pytest.mark.slow
-
-
-def _wait_for(pred, what: str, client: Any, job_id: str, timeout: float = 600.0) -> Any:
-    """`pred`'s first truthy value; fails at once if the job ends first. The timeout only
-    fires when something is broken (a loaded 2-core machine is slow)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        status = client.get_job_status(job_id)
-        assert not status.is_terminal(), (
-            f"job ended ({status}) waiting for {what}:\n{client.get_job_logs(job_id)[-4000:]}"
-        )
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}:\n{client.get_job_logs(job_id)[-4000:]}")
 
 
 @contextlib.contextmanager
@@ -89,7 +72,7 @@ def _check_the_wait(ray_cluster: Any, cfg: Any, client: Any, job_id: str) -> Non
         rec = waiting.last(client.get_job_logs(job_id))
         return rec if rec and not rec["started"] else None
 
-    rec = _wait_for(waiting_record, "the driver's wait report", client, job_id)
+    rec = wait_for(waiting_record, "the driver's wait report", client, job_id)
     # Rank 0 needs the labelled node (up); the two others need plain room, one node's up.
     shapes = {s["shape"]: (s["up"], s["need"]) for s in rec["shapes"]}
     assert shapes == {"CPU 1 on large_cpu_mem=true": (1, 1), "CPU 1": (1, 2)}, rec
@@ -153,9 +136,9 @@ def _check_growth(ray_cluster: Any, client: Any, job_id: str, metrics: Any) -> N
             )
         )
 
-    _wait_for(stepped_on(2), "steps on the two workers that are up", client, job_id)
+    wait_for(stepped_on(2), "steps on the two workers that are up", client, job_id)
     with _extra_node(ray_cluster):
-        _wait_for(lambda: any(r["world_size"] == 3 for r in starts()), "growth", client, job_id)
+        wait_for(lambda: any(r["world_size"] == 3 for r in starts()), "growth", client, job_id)
         client.stop_job(job_id)  # what it had to show is shown; the rest would only take time
         follow(client, job_id, progress=False, echo=False)
     sizes = [r["world_size"] for r in starts()]

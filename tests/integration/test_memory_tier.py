@@ -8,6 +8,7 @@ run, bit for bit."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.support.jobs import base_job
-from tests.support.ray_jobs import history, launch
+from tests.support.ray_jobs import history, launch, run_driver, wait_for
 from tests.support.torchrun import torchrun
 from tools.jobcli.follow import follow
 from trainer.checkpoint import manager as ckpt_mod
@@ -75,20 +76,6 @@ def _steps(cfg: Any) -> list[dict[str, Any]]:
     return [r for r in read_records(loc) if "step" in r and "loss" in r]
 
 
-def _wait(pred, what: str, client: Any, job_id: str, timeout: float = 600.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        status = client.get_job_status(job_id)
-        assert not status.is_terminal(), (
-            f"job ended ({status}) waiting for {what}:\n" + (client.get_job_logs(job_id)[-3000:])
-        )
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _finish(client: Any, job_id: str) -> str:
     status, _ = follow(client, job_id, progress=False)
     logs = client.get_job_logs(job_id)
@@ -118,26 +105,36 @@ def _node(cluster: Any, **labels: str) -> Any:
     return found[0]
 
 
-def _keepers(cfg: Any, cluster: Any) -> dict[str, Any]:
-    """The run's keepers registered on the cluster now, {node id: handle}."""
-    import ray
+# The run's keepers registered on the cluster, listed by a driver of its own (see
+# run_driver): waits up to `within` seconds for the list to empty, then prints the node
+# ids still holding one.
+KEEPERS = """
+import json, sys, time
+import ray
+from trainer.checkpoint import memory
 
+address, ns, within = sys.argv[1], sys.argv[2], float(sys.argv[3])
+ray.init(address=address, namespace="memtier-test", log_to_driver=False, logging_level="WARNING")
+deadline = time.monotonic() + within
+while (left := memory.list_keepers(ns)) and time.monotonic() < deadline:
+    time.sleep(0.2)
+print(json.dumps(sorted(left)))
+"""
+
+
+def _keepers(cfg: Any, cluster: Any, within: float = 0.0) -> list[str]:
+    """Node ids of the run's keepers still registered (after waiting up to `within` s
+    for none to be left)."""
     from trainer.checkpoint import memory
 
     ns = memory.namespace(resolve(str(_run_dir(cfg))).uri, cfg.run.name)
-    if not ray.is_initialized():
-        ray.init(address=cluster.address, namespace="memtier-test", log_to_driver=False)
-    return memory.list_keepers(ns)
+    out = run_driver(cluster, KEEPERS, ns, within)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def _no_keepers_left(cfg: Any, cluster: Any) -> None:
     """The driver ended the run's keepers: none is listed in the run's namespace."""
-    import ray
-
-    try:
-        assert _keepers(cfg, cluster) == {}
-    finally:
-        ray.shutdown()
+    assert _keepers(cfg, cluster) == []
 
 
 def test_worker_sigkill_loses_at_most_one_step_and_restores_from_its_node_keeper(
@@ -187,7 +184,7 @@ def test_node_lost_without_grace_loses_at_most_two_steps_and_restores_from_the_b
     def at(step: int):
         return lambda: [r for r in _steps(cfg) if r["step"] >= step]
 
-    _wait(at(13), "step 13", client, job_id)
+    wait_for(at(13), "step 13", client, job_id)
     seen = max(r["step"] for r in _steps(cfg))
     ray_cluster.kill_node(_node(ray_cluster, pool="cpu"))
     ray_cluster.add_node(num_cpus=1, labels={"pool": "cpu"})
@@ -203,7 +200,7 @@ def test_node_lost_without_grace_loses_at_most_two_steps_and_restores_from_the_b
 
 def test_node_and_buddy_both_lost_restores_from_storage(ray_cluster, tiny, tmp_path, reference):
     cfg, client, job_id = launch(ray_cluster, memory_job(tmp_path, tiny, "mem-both"))
-    _wait(lambda: [r for r in _steps(cfg) if r["step"] >= 13], "step 13", client, job_id)
+    wait_for(lambda: [r for r in _steps(cfg) if r["step"] >= 13], "step 13", client, job_id)
     ray_cluster.kill_node(_node(ray_cluster, pool="cpu"))
     ray_cluster.kill_node(_node(ray_cluster, large_cpu_mem="true"))
     ray_cluster.add_node(num_cpus=1, labels={"large_cpu_mem": "true"})
@@ -228,7 +225,7 @@ def test_a_kill_while_the_buddy_copy_is_held_restores_the_same_older_step_everyw
         env={"RAYLIFT_FAULT_HOLD_BUDDY": f"15:{release}"},
     )
     held = [release.with_name(f"{release.name}.buddy.r{r}") for r in (0, 1)]
-    _wait(lambda: all(p.exists() for p in held), "step 15's buddy copies held", client, job_id)
+    wait_for(lambda: all(p.exists() for p in held), "step 15's buddy copies held", client, job_id)
     ray_cluster.kill_node(_node(ray_cluster, pool="cpu"))
     release.touch()  # the survivor's held copy goes on; its attempt is ending anyway
     ray_cluster.add_node(num_cpus=1, labels={"pool": "cpu"})
@@ -239,54 +236,66 @@ def test_a_kill_while_the_buddy_copy_is_held_restores_the_same_older_step_everyw
     _check_exact(cfg, reference)
 
 
+# A driver of its own starts a keeper on each worker node, hands one a share, starts
+# them again as a resubmitted driver would, and ends them; prints what it saw.
+KEEPER_DRILL = """
+import json, sys
+import ray
+from trainer.checkpoint import memory
+
+address, ns = sys.argv[1], sys.argv[2]
+ray.init(address=address, namespace="memtier-test", log_to_driver=False, logging_level="WARNING")
+try:
+    started = memory.start_keepers(ns)
+    node = sorted(started)[0]
+    files = {"strategy/model.pt": b"\\x01" * 300_000}
+    ref = ray.put(files)
+    stored = ray.get(started[node].put.remote(3, 0, 1, ref, {"strategy/model.pt": 300_000}))
+    del ref
+    again = memory.start_keepers(ns)  # a resubmitted driver reuses them
+    inv = ray.get(again[node].inventory.remote())
+    out = {
+        "started": sorted(started),
+        "stored": stored,
+        "same_pid": ray.get(again[node].pid.remote()) == ray.get(started[node].pid.remote()),
+        "shares": {str(s): {str(r): k for r, k in v.items()} for s, v in inv["shares"].items()},
+        "nbytes": inv["nbytes"],
+        "got_back": ray.get(again[node].get.remote(3, 0)) == files,
+        "ended": memory.end_keepers(ns),
+        "left": sorted(memory.list_keepers(ns)),
+    }
+finally:
+    memory.end_keepers(ns)
+print(json.dumps(out))
+"""
+
+
 def test_a_keeper_actor_holds_its_own_copy_and_the_driver_helpers_reuse_and_end_it(
     ray_cluster,
 ):
-    import ray
-
     from trainer.checkpoint import memory
 
     ns = memory.namespace("/tmp/runs/keeper-test", "keeper test")
     assert ns.startswith("raylift-mem-keeper-test-")
-    ray.init(address=ray_cluster.address, namespace="memtier-test", log_to_driver=False)
-    try:
-        started = memory.start_keepers(ns)
-        nodes = {n.node_id for n, _ in ray_cluster.worker_nodes}
-        assert set(started) == nodes  # one per worker node, none on the CPU-less head
-        node = sorted(started)[0]
-        files = {"strategy/model.pt": b"\x01" * 300_000}
-        ref = ray.put(files)
-        assert ray.get(started[node].put.remote(3, 0, 1, ref, {"strategy/model.pt": 300_000}))
-        del ref
-        again = memory.start_keepers(ns)  # a resubmitted driver reuses them
-        assert ray.get(again[node].pid.remote()) == ray.get(started[node].pid.remote())
-        inv = ray.get(again[node].inventory.remote())
-        assert inv["shares"] == {3: {0: OWN}} and inv["nbytes"] == 300_000
-        assert ray.get(again[node].get.remote(3, 0)) == files
-        assert memory.end_keepers(ns) == len(nodes)
-        assert memory.list_keepers(ns) == {}
-    finally:
-        memory.end_keepers(ns)
-        ray.shutdown()
+    out = json.loads(run_driver(ray_cluster, KEEPER_DRILL, ns).strip().splitlines()[-1])
+    nodes = sorted(n.node_id for n, _ in ray_cluster.worker_nodes)
+    assert out["started"] == nodes  # one per worker node, none on the CPU-less head
+    assert out["stored"] and out["same_pid"] and out["got_back"], out
+    assert out["shares"] == {"3": {"0": OWN}} and out["nbytes"] == 300_000, out
+    assert out["ended"] == len(nodes) and out["left"] == [], out
 
 
 def test_raylift_stop_ends_the_keepers(ray_cluster, tiny, tmp_path):
     """A stopped run (Ray's job stop: SIGTERM to the driver, SIGKILL 3 s later) leaves no
     keeper holding a node's memory."""
-    import ray
-
     cfg, client, job_id = launch(ray_cluster, memory_job(tmp_path, tiny, "mem-stop"))
     try:
-        _wait(lambda: [r for r in _steps(cfg) if r["step"] >= 5], "step 5", client, job_id)
+        wait_for(lambda: [r for r in _steps(cfg) if r["step"] >= 5], "step 5", client, job_id)
         assert len(_keepers(cfg, ray_cluster)) == 2  # one per worker node
-        client.stop_job(job_id)
-        deadline = time.monotonic() + 120
-        while not client.get_job_status(job_id).is_terminal() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert str(client.get_job_status(job_id)) in ("STOPPED", "JobStatus.STOPPED")
-        deadline = time.monotonic() + 60
-        while _keepers(cfg, ray_cluster) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _keepers(cfg, ray_cluster) == {}
     finally:
-        ray.shutdown()
+        client.stop_job(job_id)
+    deadline = time.monotonic() + 120
+    while not client.get_job_status(job_id).is_terminal() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert str(client.get_job_status(job_id)) in ("STOPPED", "JobStatus.STOPPED")
+    assert _keepers(cfg, ray_cluster, within=60) == []

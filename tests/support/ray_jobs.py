@@ -3,7 +3,11 @@ history back: shared by the integration tests and the benchmarks."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +19,43 @@ from trainer.config import load_config
 from trainer.observability.metrics import lineage, read_records
 from trainer.preflight import run_all
 from trainer.storage.location import resolve
+
+
+def wait_for(pred, what: str, client: Any, job_id: str, timeout: float = 600.0) -> Any:
+    """`pred`'s first truthy value, polled; fails at once if the job ends first, with its
+    log. The timeout only fires when something is broken (a loaded 2-core machine is
+    slow)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        status = client.get_job_status(job_id)
+        assert not status.is_terminal(), (
+            f"job ended ({status}) waiting for {what}:\n{client.get_job_logs(job_id)[-4000:]}"
+        )
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}:\n{client.get_job_logs(job_id)[-4000:]}")
+
+
+def run_driver(cluster: Any, code: str, *args: object, timeout: float = 300.0) -> str:
+    """Runs `code` as a Ray driver of its own, `python -c code <cluster address> args`,
+    with the cluster's token, and returns its stdout. Never `ray.init` inside pytest: the
+    process caches the first auth token it reads (another cluster's, or the
+    ~/.ray/auth_token Ray writes for a local `ray.init`), and Ray reads its loopback
+    setting when first imported; a driver inside pytest has waited so on a GCS that never
+    let it in (3 RAM-tier tests timed out in CI)."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": cluster.token}
+    env.pop("RAY_ADDRESS", None)
+    res = subprocess.run(
+        [sys.executable, "-c", code, cluster.address, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    assert res.returncode == 0, f"driver failed ({res.returncode}):\n{res.stderr[-4000:]}"
+    return res.stdout
 
 
 def launch(cluster, job_path: Path, overrides: list[str] | None = None, env=None):
