@@ -70,8 +70,10 @@ def _global_options(top_level: bool) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # `raylift image` names itself in argv[0] (tools/cli.py); the script keeps its path.
+    prog = sys.argv[0] if sys.argv[0].startswith("raylift") else "tools/image.py"
     parser = argparse.ArgumentParser(
-        prog="tools/image.py", description=DESCRIPTION, parents=[_global_options(True)]
+        prog=prog, description=DESCRIPTION, parents=[_global_options(True)]
     )
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -72,6 +72,13 @@ def test_job_verbs_reach_the_job_cli_with_their_verb(raylift, tmp_path):
     assert usage.returncode == 0 and usage.stdout.startswith("usage: raylift status")
 
 
+def test_the_image_verb_names_itself_in_its_usage(raylift, tmp_path):
+    usage = _run([raylift, "image", "--help"], tmp_path)
+    assert usage.returncode == 0 and usage.stdout.startswith("usage: raylift image"), usage
+    script = _run([sys.executable, str(ROOT / "tools" / "image.py"), "--help"], tmp_path)
+    assert script.stdout.startswith("usage: tools/image.py"), script
+
+
 def test_an_unknown_verb_is_one_line_and_exit_2(raylift, tmp_path):
     out = _run([raylift, "nosuchverb"], tmp_path)
     assert out.returncode == 2
