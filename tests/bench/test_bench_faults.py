@@ -26,9 +26,7 @@ from __future__ import annotations
 import copy
 import itertools
 import os
-import signal
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +34,9 @@ import yaml
 
 from tests.bench.benchutil import Check, optional_env_int, run_benchmark, size, smoke
 from tests.support.jobs import base_job
-from tests.support.ray_jobs import history, launch, run_to_end, train_workers
+from tests.support.ray_jobs import history, kill_rank1_and_time_recovery, launch, run_to_end
 from tests.support.s3 import S3_KEY, S3_SECRET, WeedServer
-from tools.jobcli.follow import follow
 from tools.tiny import build_all
-from trainer.observability.metrics import read_records
 from trainer.resilience import journal
 from trainer.storage.location import resolve
 
@@ -77,21 +73,9 @@ def test_recovery_after_a_worker_kill(ray_cluster, tmp_path):
 
     def once(i: int) -> dict[str, float]:
         cfg, client, job_id = launch(cluster, _job(tiny, tmp_path, f"rec{i}"))
-        run_dir = Path(cfg.storage.path) / cfg.run.name
-        metrics = resolve(str(run_dir)).join("metrics.jsonl")
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if any(r.get("step", 0) >= 2 * EVERY + 5 for r in read_records(metrics)):
-                break
-            time.sleep(0.02)
-        os.kill(train_workers(client, job_id)[1].pid, signal.SIGKILL)
-        killed = time.time()
-        status, _ = follow(client, job_id, progress=False)
-        assert status == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]
-        records = read_records(metrics)
-        first_new = min(r["time"] for r in records if r.get("attempt") == 2 and "loss" in r)
-        attempts = [r for r in journal.read(resolve(str(run_dir))) if r["event"] == "attempt"]
-        return {"seconds": first_new - killed, "lost_steps": float(attempts[-1]["lost_steps"])}
+        got = kill_rank1_and_time_recovery(client, job_id, cfg, 2 * EVERY + 5, timeout=300)
+        got.pop("restored_from")
+        return got
 
     run_benchmark(
         "recovery",

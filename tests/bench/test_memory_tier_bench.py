@@ -3,8 +3,9 @@ a local three-node Ray cluster (head + two 1-CPU workers), side by side in one r
 
 - hard kill: a training worker is SIGKILLed at step 2 × EVERY + 5 (between storage
   checkpoints); figures: the steps lost and the seconds from the kill to the first step
-  of the restarted attempt, with a snapshot every step against storage only. Targets:
-  the RAM tier loses ≤ 2 steps, and its first new step comes sooner (ratio < 1).
+  of the restarted attempt, with a snapshot every step against storage only (storage:
+  the local S3 server). Targets: the RAM tier loses ≤ 2 steps, and its first new step
+  comes sooner (ratio < 1).
 - throughput: tokens/s with a snapshot every step ÷ tokens/s without. Target ≥ 0.97.
 
 Sizes: RAYLIFT_BENCH_MEMORY_STEPS (the throughput runs' length), RAYLIFT_BENCH_HIDDEN /
@@ -13,9 +14,6 @@ RAYLIFT_BENCH_LAYERS (the model), rounds: RAYLIFT_BENCH_REPEATS."""
 from __future__ import annotations
 
 import copy
-import os
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +21,24 @@ import yaml
 
 from tests.bench.benchutil import Check, run_benchmark, size, steady_tokens_per_s
 from tests.support.jobs import base_job
-from tests.support.ray_jobs import history, launch, run_to_end, train_workers
-from tools.jobcli.follow import follow
+from tests.support.ray_jobs import history, kill_rank1_and_time_recovery, launch, run_to_end
 from tools.tiny import build_all
-from trainer.observability.metrics import read_records
-from trainer.resilience import journal
-from trainer.storage.location import resolve
 
 EVERY = 25
 KILL_AT = 2 * EVERY + 5
 STEPS = size("RAYLIFT_BENCH_MEMORY_STEPS", 200, 80, minimum=KILL_AT + 10)
 
 
-def _job(tiny: dict[str, Path], root: Path, name: str, memory_every: int, **train: Any) -> Path:
+def _job(
+    tiny: dict[str, Path],
+    root: Path,
+    name: str,
+    memory_every: int,
+    storage: dict[str, str] | None = None,
+    **train: Any,
+) -> Path:
     data = copy.deepcopy(base_job(tiny, root / "runs", name))
+    data["storage"].update(storage or {})
     data["train"].update({"max_steps": STEPS, "eval_every": None, "log_every": 1, **train})
     data["checkpoint"].update({"every_steps": EVERY, "keep_last": 2, "memory_every": memory_every})
     data["run"]["max_failures"] = 3
@@ -51,30 +53,20 @@ def _model(tmp_path: Path) -> dict[str, Path]:
     return build_all(tmp_path / "tiny", rows=3000, eval_rows=50, hidden=hidden, layers=layers)
 
 
-def test_hard_kill_ram_tier_vs_storage_only(ray_cluster, tmp_path):
+def test_hard_kill_ram_tier_vs_storage_only(ray_cluster, s3_server, tmp_path):
+    """Storage is the local S3 server, as on a cluster (S3): a restore from storage
+    downloads the checkpoint, one from the RAM tier reads the keepers' memory."""
     tiny = _model(tmp_path)
+    storage = {"path": "s3://ckpt/memory-bench", "endpoint_override": s3_server["endpoint"]}
 
     def kill(memory_every: int):
         def once(i: int) -> dict[str, float]:
-            path = _job(tiny, tmp_path, f"hk-{memory_every}-{i}", memory_every)
+            path = _job(tiny, tmp_path, f"hk-{memory_every}-{i}", memory_every, storage)
             cfg, client, job_id = launch(ray_cluster, path)
-            run_dir = Path(cfg.storage.path) / cfg.run.name
-            metrics = resolve(str(run_dir)).join("metrics.jsonl")
-            deadline = time.monotonic() + 600
-            while time.monotonic() < deadline:
-                if any(r.get("step", 0) >= KILL_AT for r in read_records(metrics)):
-                    break
-                time.sleep(0.02)
-            os.kill(train_workers(client, job_id)[1].pid, signal.SIGKILL)
-            killed = time.time()
-            status, _ = follow(client, job_id, progress=False)
-            assert status == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]
-            records = read_records(metrics)
-            first = min(r["time"] for r in records if r.get("attempt") == 2 and "loss" in r)
-            attempts = [a for a in journal.read(resolve(str(run_dir))) if a["event"] == "attempt"]
+            got = kill_rank1_and_time_recovery(client, job_id, cfg, KILL_AT)
             want = "memory-own" if memory_every else "storage"
-            assert attempts[-1]["restored_from"] == want, attempts
-            return {"seconds": first - killed, "lost_steps": float(attempts[-1]["lost_steps"])}
+            assert got.pop("restored_from") == want, got
+            return got
 
         return once
 
@@ -96,7 +88,12 @@ def test_hard_kill_ram_tier_vs_storage_only(ray_cluster, tmp_path):
         ],
         metric="seconds",
         unit="s",
-        setup={"checkpoint_every": EVERY, "kill_at": KILL_AT, "nodes": "head + 2 × 1 CPU"},
+        setup={
+            "checkpoint_every": EVERY,
+            "kill_at": KILL_AT,
+            "nodes": "head + 2 × 1 CPU",
+            "storage": "S3 (SeaweedFS on 127.0.0.1)",
+        },
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from tools.jobcli.follow import follow
 from trainer.config import load_config
 from trainer.observability.metrics import lineage, read_records
 from trainer.preflight import run_all
+from trainer.resilience import journal
 from trainer.storage.location import resolve
 
 
@@ -105,3 +107,28 @@ def train_workers(client: Any, job_id: str) -> dict[int, psutil.Process]:
     group = {rank: psutil.Process(pid) for rank, pid in pids.items()}
     assert group and all("RayTrainWorker" in p.name() for p in group.values()), group
     return group
+
+
+def kill_rank1_and_time_recovery(
+    client: Any, job_id: str, cfg: Any, at_step: int, timeout: float = 600.0
+) -> dict[str, Any]:
+    """SIGKILLs rank 1 of a running job once rank 0 has logged step `at_step`, follows
+    the job to success, and returns the seconds from the kill to the restarted attempt's
+    first step, the steps that attempt lost, and where it restored from."""
+    run = resolve(cfg.storage.path, cfg.storage.endpoint_override).join(cfg.run.name)
+    metrics = run.join("metrics.jsonl")
+    deadline = time.monotonic() + timeout
+    while not any(r.get("step", 0) >= at_step for r in read_records(metrics)):
+        assert time.monotonic() < deadline, f"step {at_step} not reached in {timeout:.0f} s"
+        time.sleep(0.02)
+    os.kill(train_workers(client, job_id)[1].pid, signal.SIGKILL)
+    killed = time.time()
+    status, _ = follow(client, job_id, progress=False)
+    assert status == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]
+    first = min(r["time"] for r in read_records(metrics) if r.get("attempt") == 2 and "loss" in r)
+    attempts = [a for a in journal.read(run) if a["event"] == "attempt"]
+    return {
+        "seconds": first - killed,
+        "lost_steps": float(attempts[-1]["lost_steps"]),
+        "restored_from": attempts[-1].get("restored_from"),
+    }
