@@ -1,10 +1,10 @@
 """The RAM tier (trainer.checkpoint.memory) on a real Ray cluster on 127.0.0.1: a head and
-two one-CPU nodes, a tiny Llama on gloo, a snapshot every step, a storage checkpoint
-every 10. A hard kill costs at most a step or two and restores from the keepers' memory:
-a SIGKILLed worker from its node's keeper, a node lost without grace from the buddy
-copy, both copies lost from storage, and a kill while a buddy copy is held makes every
-rank restore the same older step. Every run ends with the weights of an uninterrupted
-run, bit for bit."""
+two one-CPU nodes, a tiny Llama on gloo (DDP, FSDP2, LoRA and QLoRA on DDP), a snapshot
+every step, a storage checkpoint every 10. A hard kill costs at most a step or two and
+restores from the keepers' memory: a SIGKILLed worker from its node's keeper, a node lost
+without grace from the buddy copy, both copies lost from storage, and a kill while a
+buddy copy is held makes every rank restore the same older step. Every run ends with the
+weights of an uninterrupted run, bit for bit."""
 
 from __future__ import annotations
 
@@ -65,6 +65,20 @@ def fsdp_reference(tiny, tmp_path_factory) -> dict[str, torch.Tensor]:
     res = torchrun(["-m", "trainer", "run", str(path)])
     assert res.returncode == 0, res.stderr[-3000:]
     return load_file(str(root / "runs" / "mem-ref-fsdp" / FINAL))
+
+
+FINAL_ADAPTER = f"export/{ckpt_mod.dir_name(STEPS)}/adapter/adapter_model.safetensors"
+
+
+@pytest.fixture(scope="module", params=["lora", "qlora"])
+def adapter_reference(request, tiny, tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
+    """The adapter (on DDP) trained uninterrupted: its final weights."""
+    adapter = request.param
+    root = tmp_path_factory.mktemp(f"memref-{adapter}")
+    path = memory_job(root, tiny, f"mem-ref-{adapter}", 0, model={"adapter": adapter})
+    res = torchrun(["-m", "trainer", "run", str(path)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    return adapter, load_file(str(root / "runs" / f"mem-ref-{adapter}" / FINAL_ADAPTER))
 
 
 def _run_dir(cfg: Any) -> Path:
@@ -171,6 +185,32 @@ def test_fsdp_worker_sigkill_restores_its_shards_from_memory_exactly(
     assert second["restored_from"] == "memory-own", second
     assert 16 <= second["from_step"] <= 17 and second["lost_steps"] <= 1, second
     _check_exact(cfg, fsdp_reference)
+
+
+def test_adapter_worker_sigkill_restores_the_adapter_from_memory_exactly(
+    ray_cluster, tiny, tmp_path, adapter_reference
+):
+    """LoRA and QLoRA on DDP: a snapshot holds only what trains (the adapters and their
+    moments); after rank 1's SIGKILL the run resumes from its node's keeper and ends with
+    the uninterrupted run's adapter, bit for bit."""
+    adapter, want = adapter_reference
+    cfg, client, job_id = launch(
+        ray_cluster,
+        memory_job(tmp_path, tiny, f"mem-{adapter}", model={"adapter": adapter}),
+        env={"RAYLIFT_FAULT_KILL_AFTER_STEP": "17"},
+    )
+    _finish(client, job_id)
+    attempts = _attempts(cfg)
+    assert len(attempts) == 2, attempts
+    second = attempts[1]
+    assert second["restored_from"] == "memory-own", second
+    assert 16 <= second["from_step"] <= 17 and second["lost_steps"] <= 1, second
+    _, steps, _ = history(cfg)
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    got = load_file(str(_run_dir(cfg) / FINAL_ADAPTER))
+    assert got.keys() == want.keys() and any("lora_" in k for k in got), list(got)
+    for k, w in want.items():
+        assert torch.equal(got[k], w), k  # bit-identical
 
 
 def test_node_lost_without_grace_loses_at_most_two_steps_and_restores_from_the_buddy(
