@@ -8,8 +8,10 @@ pyarrow for S3.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from trainer.config import JobConfig
 from trainer.errors import ConfigError, UserError
@@ -134,6 +136,38 @@ def check_storage(cfg: JobConfig, report: Report) -> None:
 
     loc = resolve(cfg.storage.path, cfg.storage.endpoint_override, cfg.storage.region)
     check_writable(loc)
+    check_deepspeed_resume(cfg, loc.join(cfg.run.name))
+
+
+def check_deepspeed_resume(cfg: JobConfig, run: Any) -> None:
+    """DeepSpeed loads its checkpoint only on the world size that wrote it: a resubmitted
+    run with another num_workers would fail after every worker has loaded the model.
+    Refuse it here, in one line, against the run's newest complete checkpoint (an
+    adapter's checkpoint carries its state whole too, and loads on any size)."""
+    if cfg.strategy.name != "deepspeed":
+        return
+    try:
+        from trainer.checkpoint.manager import completeness, find_latest
+    except ImportError:
+        return  # a laptop without torch: the driver checks again before any worker starts
+    latest = find_latest(run, allow_scratch=True)
+    if latest is None:
+        return
+    state, _ = completeness(latest)
+    if state is None or state.get("strategy") != "deepspeed":
+        return  # another strategy's checkpoint: the identity check at restore names it
+    portable = latest.join("strategy/adapter.pt")  # an adapter's state, whole: any size
+    if portable.fs.get_file_info(portable.path).is_file:
+        return
+    # torchrun sets the world size itself; Ray Train runs scaling.num_workers workers.
+    world = int(os.environ.get("WORLD_SIZE") or cfg.scaling.max_workers)
+    wrote = int(state["world_size"])
+    if wrote != world:
+        raise ConfigError(
+            f"{latest.uri}: this DeepSpeed checkpoint was written by {wrote} workers and "
+            f"loads only on {wrote}; this job runs {world}. Set scaling.num_workers: {wrote} "
+            "to resume, or use a new run.name"
+        )
 
 
 def run_all(cfg: JobConfig, strict: bool = True) -> Report:

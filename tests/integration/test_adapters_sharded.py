@@ -400,3 +400,24 @@ def test_zero3_lora_matches_ddp_after_a_kill_and_exports(ray_cluster, tiny, tmp_
     assert module and all("lora_" in k or "modules_to_save" in k for k in module), list(module)
     got, want = _probe(_peft_model(Path(summary["export"]), tiny["model"], nf4=False), run_dir)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("config", "first", "then"), [("zero3", 2, 1), ("zero2", 1, 2)])
+def test_deepspeed_lora_resumes_on_another_world_size(
+    ray_cluster, tiny, tmp_path, ddp_lora, config, first, then
+):
+    """DeepSpeed's own folder loads only on the world size that wrote it; an adapter's
+    checkpoint also holds what trains whole (`adapter.pt`), so LoRA on ZeRO-3 shrinks from
+    2 workers to 1 at step 8, and on ZeRO-2 grows from 1 to 2, on DDP's curve; the
+    adapter folder then reproduces the trained logits on the plain base."""
+    strategy = {"name": "deepspeed", "config": config}
+    path = _adapter_job(tmp_path, tiny, f"{config}-lora-{first}to{then}", strategy=strategy)
+    run_to_end(ray_cluster, path, ["train.stop_at_step=8", f"scaling.num_workers={first}"])
+    cfg, summary, _ = run_to_end(ray_cluster, path, [f"scaling.num_workers={then}"])
+    run_dir = _check_run(cfg, ddp_lora, 8)
+    portable = torch.load(run_dir / f"step_{STEPS:08d}" / "strategy" / "adapter.pt")
+    assert portable["optimizer_step"] == STEPS, portable["optimizer_step"]
+    names = sorted(portable["tensors"])
+    assert names and all("lora_" in n or "modules_to_save" in n for n in names), names
+    got, want = _probe(_peft_model(Path(summary["export"]), tiny["model"], nf4=False), run_dir)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -16,6 +16,9 @@ import pytest
 import torch
 
 from tests.support.ray_jobs import history, retrained, run_killed, run_to_end
+from trainer.config import load_config
+from trainer.errors import ConfigError
+from trainer.preflight import run_all
 from trainer.resilience import journal
 from trainer.storage.location import resolve
 
@@ -204,6 +207,15 @@ def test_deepspeed_kill_resume_export(ray_cluster, job, ddp_losses, config, requ
     state = json.loads((run_dir / "step_00000012" / "trainer_state.json").read_text())
     assert (state["strategy"], state["layout"]) == ("deepspeed", "deepspeed/1")
     assert (run_dir / "step_00000012" / "strategy" / "ds" / "state").is_dir()
+    assert not (run_dir / "step_00000012" / "strategy" / "adapter.pt").exists()
+    # DeepSpeed's checkpoint loads only on the world size that wrote it: resubmitting the
+    # run on one worker is refused at preflight, in one line, before any worker starts.
+    with pytest.raises(ConfigError) as exc:
+        run_all(load_config(path, ["scaling.num_workers=1", "train.grad_accum=2"]))
+    msg = str(exc.value)
+    assert "\n" not in msg and "step_00000012" in msg, msg
+    assert "written by 2 workers" in msg and "scaling.num_workers: 2" in msg, msg
+    run_all(load_config(path))  # the same two workers resume
     if config.startswith("template_"):
         # The offloaded optimizer state is CPU Adam's (fp32 moments for every parameter).
         optim = list((run_dir / "step_00000012" / "strategy" / "ds" / "state").glob("*optim*"))

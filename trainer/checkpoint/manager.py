@@ -257,6 +257,13 @@ class SchedulerPart:
         except FileNotFoundError:
             raise CheckpointError(f"{ckpt}: scheduler.pt is missing") from None
         self.scheduler.load_state_dict(state)
+        # The next step's learning rate: a scheduler's state does not set it, and only an
+        # optimizer state dict that carries its param groups would (DeepSpeed's adapter
+        # state on another world size does not).
+        for group, lr in zip(
+            self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True
+        ):
+            group["lr"] = lr
 
 
 class RNGPart:
