@@ -1,10 +1,10 @@
 """The RAM tier (trainer.checkpoint.memory) on a real Ray cluster on 127.0.0.1: a head and
-two one-CPU nodes, a tiny Llama on gloo (DDP, FSDP2, LoRA and QLoRA on DDP), a snapshot
-every step, a storage checkpoint every 10. A hard kill costs at most a step or two and
-restores from the keepers' memory: a SIGKILLed worker from its node's keeper, a node lost
-without grace from the buddy copy, both copies lost from storage, and a kill while a
-buddy copy is held makes every rank restore the same older step. Every run ends with the
-weights of an uninterrupted run, bit for bit."""
+two one-CPU nodes, a tiny Llama on gloo (DDP, FSDP2 alone and under tp=2 and pp=2, LoRA
+and QLoRA on DDP), a snapshot every step, a storage checkpoint every 10. A hard kill
+costs at most a step or two and restores from the keepers' memory: a SIGKILLed worker
+from its node's keeper, a node lost without grace from the buddy copy, both copies lost
+from storage, and a kill while a buddy copy is held makes every rank restore the same
+older step. Every run ends with the weights of an uninterrupted run, bit for bit."""
 
 from __future__ import annotations
 
@@ -31,7 +31,15 @@ from trainer.storage.location import resolve
 pytestmark = pytest.mark.slow
 
 STEPS, EVERY = 40, 10
-FINAL = f"export/{ckpt_mod.dir_name(STEPS)}/model/model.safetensors"
+FINAL = f"export/{ckpt_mod.dir_name(STEPS)}/model"
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """An exported model's weights, from its one file or its shards (one per pipeline
+    stage)."""
+    files = sorted(model_dir.glob("model*.safetensors"))
+    assert files, f"no weights in {model_dir}"
+    return {k: v for f in files for k, v in load_file(str(f)).items()}
 
 
 def memory_job(
@@ -55,7 +63,7 @@ def reference(tiny, tmp_path_factory) -> dict[str, torch.Tensor]:
     path = memory_job(root, tiny, "mem-ref", memory_every=0)
     res = torchrun(["-m", "trainer", "run", str(path)])
     assert res.returncode == 0, res.stderr[-3000:]
-    return load_file(str(root / "runs" / "mem-ref" / FINAL))
+    return _weights(root / "runs" / "mem-ref" / FINAL)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +72,22 @@ def fsdp_reference(tiny, tmp_path_factory) -> dict[str, torch.Tensor]:
     path = memory_job(root, tiny, "mem-ref-fsdp", memory_every=0, strategy={"name": "fsdp"})
     res = torchrun(["-m", "trainer", "run", str(path)])
     assert res.returncode == 0, res.stderr[-3000:]
-    return load_file(str(root / "runs" / "mem-ref-fsdp" / FINAL))
+    return _weights(root / "runs" / "mem-ref-fsdp" / FINAL)
+
+
+LAYOUTS = {"tp2": {"tp": 2}, "pp2": {"pp": 2, "microbatches": 2}}
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def layout_reference(request, tiny, tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
+    """FSDP2 under tensor or pipeline parallelism (dcp/2), uninterrupted: final weights."""
+    name = request.param
+    root = tmp_path_factory.mktemp(f"memref-{name}")
+    strategy = {"name": "fsdp", **LAYOUTS[name]}
+    path = memory_job(root, tiny, f"mem-ref-{name}", memory_every=0, strategy=strategy)
+    res = torchrun(["-m", "trainer", "run", str(path)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    return name, _weights(root / "runs" / f"mem-ref-{name}" / FINAL)
 
 
 FINAL_ADAPTER = f"export/{ckpt_mod.dir_name(STEPS)}/adapter/adapter_model.safetensors"
@@ -105,7 +128,7 @@ def _attempts(cfg: Any) -> list[dict[str, Any]]:
 def _check_exact(cfg: Any, reference: dict[str, torch.Tensor]) -> None:
     _, steps, _ = history(cfg)
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
-    got = load_file(str(_run_dir(cfg) / FINAL))
+    got = _weights(_run_dir(cfg) / FINAL)
     assert got.keys() == reference.keys()
     for k, want in reference.items():
         assert torch.equal(got[k], want), k  # bit-identical, not merely close
@@ -185,6 +208,25 @@ def test_fsdp_worker_sigkill_restores_its_shards_from_memory_exactly(
     assert second["restored_from"] == "memory-own", second
     assert 16 <= second["from_step"] <= 17 and second["lost_steps"] <= 1, second
     _check_exact(cfg, fsdp_reference)
+
+
+def test_tp_and_pp_worker_sigkill_restore_from_memory_exactly(
+    ray_cluster, tiny, tmp_path, layout_reference
+):
+    """tp=2 and pp=2 on two workers: each rank's dcp/2 files (its tensor shard, or its
+    pipeline stage) are its share; after rank 1's SIGKILL both ranks restore them from
+    their node keepers and the run ends with the uninterrupted layout's weights."""
+    name, want = layout_reference
+    cfg, client, job_id = launch(
+        ray_cluster,
+        memory_job(tmp_path, tiny, f"mem-{name}", strategy={"name": "fsdp", **LAYOUTS[name]}),
+        env={"RAYLIFT_FAULT_KILL_AFTER_STEP": "17"},
+    )
+    _finish(client, job_id)
+    second = _attempts(cfg)[1]
+    assert second["restored_from"] == "memory-own", second
+    assert 16 <= second["from_step"] <= 17 and second["lost_steps"] <= 1, second
+    _check_exact(cfg, want)
 
 
 def test_adapter_worker_sigkill_restores_the_adapter_from_memory_exactly(
