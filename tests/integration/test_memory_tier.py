@@ -1,10 +1,10 @@
 """The RAM tier (trainer.checkpoint.memory) on a real Ray cluster on 127.0.0.1: a head and
 two one-CPU nodes, a tiny Llama on gloo (DDP, FSDP2 alone and under tp=2 and pp=2, LoRA
-and QLoRA on DDP), a snapshot every step, a storage checkpoint every 10. A hard kill
-costs at most a step or two and restores from the keepers' memory: a SIGKILLed worker
-from its node's keeper, a node lost without grace from the buddy copy, both copies lost
-from storage, and a kill while a buddy copy is held makes every rank restore the same
-older step. Every run ends with the weights of an uninterrupted run, bit for bit."""
+and QLoRA on DDP and on FSDP2), a snapshot every step, a storage checkpoint every 10. A
+hard kill costs at most a step or two and restores from the keepers' memory: a SIGKILLed
+worker from its node's keeper, a node lost without grace from the buddy copy, both copies
+lost from storage, and a kill while a buddy copy is held makes every rank restore the
+same older step. Every run ends with the weights of an uninterrupted run, bit for bit."""
 
 from __future__ import annotations
 
@@ -91,17 +91,23 @@ def layout_reference(request, tiny, tmp_path_factory) -> tuple[str, dict[str, to
 
 
 FINAL_ADAPTER = f"export/{ckpt_mod.dir_name(STEPS)}/adapter/adapter_model.safetensors"
+ADAPTERS = ["lora-ddp", "qlora-ddp", "lora-fsdp", "qlora-fsdp"]
 
 
-@pytest.fixture(scope="module", params=["lora", "qlora"])
+def _adapter_sections(name: str) -> dict[str, Any]:
+    adapter, strategy = name.split("-")
+    return {"model": {"adapter": adapter}, "strategy": {"name": strategy}}
+
+
+@pytest.fixture(scope="module", params=ADAPTERS)
 def adapter_reference(request, tiny, tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
-    """The adapter (on DDP) trained uninterrupted: its final weights."""
-    adapter = request.param
-    root = tmp_path_factory.mktemp(f"memref-{adapter}")
-    path = memory_job(root, tiny, f"mem-ref-{adapter}", 0, model={"adapter": adapter})
+    """LoRA and QLoRA, on DDP and on FSDP2, trained uninterrupted: the final adapter."""
+    name = request.param
+    root = tmp_path_factory.mktemp(f"memref-{name}")
+    path = memory_job(root, tiny, f"mem-ref-{name}", 0, **_adapter_sections(name))
     res = torchrun(["-m", "trainer", "run", str(path)])
     assert res.returncode == 0, res.stderr[-3000:]
-    return adapter, load_file(str(root / "runs" / f"mem-ref-{adapter}" / FINAL_ADAPTER))
+    return name, load_file(str(root / "runs" / f"mem-ref-{name}" / FINAL_ADAPTER))
 
 
 def _run_dir(cfg: Any) -> Path:
@@ -125,13 +131,36 @@ def _attempts(cfg: Any) -> list[dict[str, Any]]:
     return [r for r in journal.read(run) if r["event"] == "attempt"]
 
 
-def _check_exact(cfg: Any, reference: dict[str, torch.Tensor]) -> None:
+def _every_step_once(cfg: Any) -> None:
     _, steps, _ = history(cfg)
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+
+
+def _check_exact(cfg: Any, reference: dict[str, torch.Tensor]) -> None:
+    _every_step_once(cfg)
     got = _weights(_run_dir(cfg) / FINAL)
     assert got.keys() == reference.keys()
     for k, want in reference.items():
         assert torch.equal(got[k], want), k  # bit-identical, not merely close
+
+
+def _sigkill_rank1_after_17(cluster: Any, tiny: Any, root: Path, name: str, **sections: Any) -> Any:
+    """Runs a job whose rank 1 SIGKILLs itself after step 17 (between storage checkpoints
+    10 and 20) to its end, and checks its one restart: the second attempt restored step 16
+    or 17 from its node's keeper (memory-own), not storage's 10, losing at most one step.
+    Returns the job's config."""
+    cfg, client, job_id = launch(
+        cluster,
+        memory_job(root, tiny, name, **sections),
+        env={"RAYLIFT_FAULT_KILL_AFTER_STEP": "17"},
+    )
+    _finish(client, job_id)
+    attempts = _attempts(cfg)
+    assert len(attempts) == 2, attempts
+    second = attempts[1]
+    assert second["restored_from"] == "memory-own", second
+    assert 16 <= second["from_step"] <= 17 and second["lost_steps"] <= 1, second
+    return cfg
 
 
 def _node(cluster: Any, **labels: str) -> Any:
@@ -177,19 +206,8 @@ def _no_keepers_left(cfg: Any, cluster: Any) -> None:
 def test_worker_sigkill_loses_at_most_one_step_and_restores_from_its_node_keeper(
     ray_cluster, tiny, tmp_path, reference
 ):
-    """Rank 1 SIGKILLs itself after step 17 (between storage checkpoints 10 and 20): the
-    new attempt starts from step 16 or 17 out of the keepers, not from storage's 10."""
-    cfg, client, job_id = launch(
-        ray_cluster,
-        memory_job(tmp_path, tiny, "mem-kill"),
-        env={"RAYLIFT_FAULT_KILL_AFTER_STEP": "17"},
-    )
-    _finish(client, job_id)
-    attempts = _attempts(cfg)
-    assert len(attempts) == 2, attempts
-    second = attempts[1]
-    assert second["restored_from"] == "memory-own", second
-    assert 16 <= second["from_step"] <= 17 and second["lost_steps"] <= 1, second
+    """DDP: rank 0's model and optimizer, every rank's data position and RNG."""
+    cfg = _sigkill_rank1_after_17(ray_cluster, tiny, tmp_path, "mem-kill")
     _check_exact(cfg, reference)
     _no_keepers_left(cfg, ray_cluster)
 
@@ -198,15 +216,9 @@ def test_fsdp_worker_sigkill_restores_its_shards_from_memory_exactly(
     ray_cluster, tiny, tmp_path, fsdp_reference
 ):
     """FSDP2 (dcp/2): each rank's shard files travel like any checkpoint file."""
-    cfg, client, job_id = launch(
-        ray_cluster,
-        memory_job(tmp_path, tiny, "mem-fsdp", strategy={"name": "fsdp"}),
-        env={"RAYLIFT_FAULT_KILL_AFTER_STEP": "17"},
+    cfg = _sigkill_rank1_after_17(
+        ray_cluster, tiny, tmp_path, "mem-fsdp", strategy={"name": "fsdp"}
     )
-    _finish(client, job_id)
-    second = _attempts(cfg)[1]
-    assert second["restored_from"] == "memory-own", second
-    assert 16 <= second["from_step"] <= 17 and second["lost_steps"] <= 1, second
     _check_exact(cfg, fsdp_reference)
 
 
@@ -217,38 +229,22 @@ def test_tp_and_pp_worker_sigkill_restore_from_memory_exactly(
     pipeline stage) are its share; after rank 1's SIGKILL both ranks restore them from
     their node keepers and the run ends with the uninterrupted layout's weights."""
     name, want = layout_reference
-    cfg, client, job_id = launch(
-        ray_cluster,
-        memory_job(tmp_path, tiny, f"mem-{name}", strategy={"name": "fsdp", **LAYOUTS[name]}),
-        env={"RAYLIFT_FAULT_KILL_AFTER_STEP": "17"},
-    )
-    _finish(client, job_id)
-    second = _attempts(cfg)[1]
-    assert second["restored_from"] == "memory-own", second
-    assert 16 <= second["from_step"] <= 17 and second["lost_steps"] <= 1, second
+    strategy = {"name": "fsdp", **LAYOUTS[name]}
+    cfg = _sigkill_rank1_after_17(ray_cluster, tiny, tmp_path, f"mem-{name}", strategy=strategy)
     _check_exact(cfg, want)
 
 
 def test_adapter_worker_sigkill_restores_the_adapter_from_memory_exactly(
     ray_cluster, tiny, tmp_path, adapter_reference
 ):
-    """LoRA and QLoRA on DDP: a snapshot holds only what trains (the adapters and their
-    moments); after rank 1's SIGKILL the run resumes from its node's keeper and ends with
-    the uninterrupted run's adapter, bit for bit."""
-    adapter, want = adapter_reference
-    cfg, client, job_id = launch(
-        ray_cluster,
-        memory_job(tmp_path, tiny, f"mem-{adapter}", model={"adapter": adapter}),
-        env={"RAYLIFT_FAULT_KILL_AFTER_STEP": "17"},
-    )
-    _finish(client, job_id)
-    attempts = _attempts(cfg)
-    assert len(attempts) == 2, attempts
-    second = attempts[1]
-    assert second["restored_from"] == "memory-own", second
-    assert 16 <= second["from_step"] <= 17 and second["lost_steps"] <= 1, second
-    _, steps, _ = history(cfg)
-    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    """LoRA and QLoRA, on DDP (rank 0 writes them) and on FSDP2 (each rank its shard of
+    them): a snapshot holds only what trains (the adapters and their moments); after rank
+    1's SIGKILL the run resumes from its node's keeper and ends with the uninterrupted
+    run's adapter, bit for bit."""
+    name, want = adapter_reference
+    sections = _adapter_sections(name)
+    cfg = _sigkill_rank1_after_17(ray_cluster, tiny, tmp_path, f"mem-{name}", **sections)
+    _every_step_once(cfg)
     got = load_file(str(_run_dir(cfg) / FINAL_ADAPTER))
     assert got.keys() == want.keys() and any("lora_" in k for k in got), list(got)
     for k, w in want.items():
