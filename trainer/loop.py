@@ -369,7 +369,9 @@ def _start_attempt(
     )
     metrics_file, history = _open_metrics(cfg, rt, start, where)
     if metrics_file is not None:
-        _journal_attempt(rt, metrics_file.attempt, history, start, restored and restored[0])
+        _journal_attempt(
+            rt, metrics_file.attempt, history, start, restored and restored[0], memory.newest_held
+        )
     # Watching the run (observability.tracking, observability.workerstats): every rank
     # measures, rank 0 gathers and hands the records to the trackers' background senders.
     stats = WorkerStats(
@@ -502,7 +504,7 @@ def _finish(
 ) -> None:
     """The last metrics written, the final probe (a run that trained to its end), the
     journal's last word and the trackers closed."""
-    report.flush()
+    report.close()
     if not cfg.train.as_test and end == steps and start < end:
         _write_probe(rt, strategy, feed.first, device)
     rt.finish()
@@ -558,16 +560,22 @@ def _write_probe(
 
 
 def _journal_attempt(
-    rt: Runtime, attempt: int, history: list[dict[str, Any]], start: int, source: str | None
+    rt: Runtime,
+    attempt: int,
+    history: list[dict[str, Any]],
+    start: int,
+    source: str | None,
+    trained_to: int = -1,
 ) -> None:
     """The attempt's first journal record: where it resumed (`restored_from`: storage,
     memory-own, memory-buddy; None from scratch), and what the restart cost (steps
     trained past that point, and the wall time since the last step). `history` is the
-    metrics file as earlier attempts left it."""
+    metrics file as earlier attempts left it; `trained_to`, a step known trained beyond
+    it (the RAM tier's newest snapshot), -1 if none."""
     if rt.journal is None:
         return
     previous = [r for r in history if r.get("event") == "train"]
-    last_step = max((int(r["step"]) for r in previous), default=start)
+    last_step = max(max((int(r["step"]) for r in previous), default=start), trained_to)
     last_time = max((float(r["time"]) for r in previous), default=None)
     trained = [r for r in journal_mod.read(rt.run) if r["source"].startswith("attempt-")]
     after = "failure" if trained else "start"

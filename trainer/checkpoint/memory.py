@@ -190,6 +190,7 @@ class MemoryTier:
         self.ns = namespace(rt.run.uri, cfg.run.name)
         self.stuck_s = cfg.checkpoint.stuck_write_s
         self.confirmed = -1
+        self.newest_held = -1  # the newest step any keeper held at the restore
         self.broken = False
         self._started: list[int] = []
         self._pending: Future[None] | None = None
@@ -332,6 +333,9 @@ class MemoryTier:
                 continue
             inventories.append(inv)
             handles.append(handle)
+        # A step a keeper holds was trained: the lost steps are counted from it too, when
+        # the metrics written before the kill end earlier (S3 rewrites them periodically).
+        self.newest_held = max((int(s) for inv in inventories for s in inv["shares"]), default=-1)
         step = pick_step(inventories, self.rt.world_size, max(storage_step, 1))
         step = int(self._reduce(step, "min"))
         if step < 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +29,42 @@ def mfu(num_params: int, tokens_per_s_per_device: float, peak: float | None) -> 
     return 6.0 * num_params * tokens_per_s_per_device / peak
 
 
-class MetricsFile:
-    """Append-only JSONL history on local/shared FS or S3 (S3 is rewritten on flush)."""
+FLUSH_EVERY_S = 15.0
+"""On object storage (no append) the history is one object, rewritten whole at each
+checkpoint and, in between, at most this often by a background thread off the step's
+path. A hard kill between checkpoints then takes at most this long of records with it,
+and the next attempt counts the steps it lost (the journal) from what was written."""
 
-    def __init__(self, loc: Location, existing: list[dict[str, Any]] | None = None):
+
+class MetricsFile:
+    """Append-only JSONL history on local/shared FS (a line per record, at once) or S3
+    (rewritten on flush: at each checkpoint and every `flush_every_s` in between)."""
+
+    def __init__(
+        self,
+        loc: Location,
+        existing: list[dict[str, Any]] | None = None,
+        flush_every_s: float = FLUSH_EVERY_S,
+    ):
         """`existing`: the file's records if the caller has just read them."""
         self.loc = loc
         self.attempt = 1  # which (re)start of the run is writing; set by the loop
-        self._records: list[dict[str, Any]] = []
+        self._lines: list[str] = []
         self._dirty = False
+        self._lock = threading.Lock()  # the lines and the dirty flag
+        self._writing = threading.Lock()  # one rewrite at a time
+        self._closed = threading.Event()
         self._appendable = isinstance(loc.fs, pafs.LocalFileSystem)
         if not self._appendable:
-            self._records = list(existing) if existing is not None else read_records(loc)
+            old = existing if existing is not None else read_records(loc)
+            self._lines = [json.dumps(r, sort_keys=True) for r in old]
+            if flush_every_s > 0:
+                threading.Thread(
+                    target=self._flush_every,
+                    args=(flush_every_s,),
+                    name="raylift-metrics-flush",
+                    daemon=True,
+                ).start()
 
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps(record, sort_keys=True)
@@ -47,23 +72,38 @@ class MetricsFile:
             Path(self.loc.path).parent.mkdir(parents=True, exist_ok=True)
             with open(self.loc.path, "a") as f:
                 f.write(line + "\n")
-        else:
-            self._records.append(record)
+            return
+        with self._lock:
+            self._lines.append(line)
             self._dirty = True
 
     def flush(self) -> None:
         """Rewrite the object (S3 has no append). A storage outage must not stop training:
         the records stay in memory and the next flush writes them."""
-        if self._appendable or not self._dirty:
+        if self._appendable:
             return
-        body = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self._records).encode()
-        try:
-            with self.loc.fs.open_output_stream(self.loc.path) as f:
-                f.write(body)
-        except OSError as exc:
-            log.warning("%s not written (%s); will retry at the next flush", self.loc.uri, exc)
-            return
-        self._dirty = False
+        with self._writing:
+            with self._lock:
+                if not self._dirty:
+                    return
+                body = "".join(line + "\n" for line in self._lines).encode()
+                self._dirty = False
+            try:
+                with self.loc.fs.open_output_stream(self.loc.path) as f:
+                    f.write(body)
+            except OSError as exc:
+                log.warning("%s not written (%s); will retry at the next flush", self.loc.uri, exc)
+                with self._lock:
+                    self._dirty = True
+
+    def _flush_every(self, seconds: float) -> None:
+        while not self._closed.wait(seconds):
+            self.flush()
+
+    def close(self) -> None:
+        """The last flush; the background one stops."""
+        self._closed.set()
+        self.flush()
 
 
 def read_records(loc: Location) -> list[dict[str, Any]]:

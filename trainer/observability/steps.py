@@ -132,3 +132,8 @@ class StepReport:
     def flush(self) -> None:
         if self.rt.rank == 0 and self.metrics_file is not None:
             self.metrics_file.flush()
+
+    def close(self) -> None:
+        """The attempt's last flush (rank 0)."""
+        if self.rt.rank == 0 and self.metrics_file is not None:
+            self.metrics_file.close()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from trainer.observability.metrics import MetricsFile, lineage, mfu, peak_flops, read_records
@@ -41,3 +44,36 @@ def test_metrics_file_append_and_torn_line(tmp_path):
     with open(loc.path, "a") as f:
         f.write('{"event": "train", "st')  # a writer killed mid-line
     assert [r["step"] for r in read_records(loc)] == [1, 2]
+
+
+def _steps_on(loc) -> list[int]:
+    return [r["step"] for r in read_records(loc)]
+
+
+def test_s3_history_is_rewritten_between_checkpoints_by_a_background_thread(s3_server):
+    """S3 has no append: the history is one object, rewritten whole. Besides the
+    checkpoints' flushes a background thread rewrites it every flush_every_s, so a hard
+    kill between checkpoints takes at most that long of records with it (and the next
+    attempt's journal counts the lost steps from what is there)."""
+    loc = resolve("s3://ckpt/metrics-flush/metrics.jsonl", s3_server["endpoint"])
+    first = MetricsFile(loc, [], flush_every_s=0.2)
+    try:
+        for step in (1, 2, 3):
+            first.write({"event": "train", "step": step})
+        deadline = time.monotonic() + 30
+        while _steps_on(loc) != [1, 2, 3]:  # never flushed by hand
+            assert time.monotonic() < deadline, _steps_on(loc)
+            time.sleep(0.05)
+    finally:
+        first.close()
+    deadline = time.monotonic() + 10
+    while any(t.name == "raylift-metrics-flush" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the background flush did not stop at close()"
+        time.sleep(0.05)
+
+    # The next attempt keeps what is there; without the thread only a flush writes.
+    second = MetricsFile(loc, read_records(loc), flush_every_s=0)
+    second.write({"event": "train", "step": 4})
+    assert _steps_on(loc) == [1, 2, 3]
+    second.flush()
+    assert _steps_on(loc) == [1, 2, 3, 4]

@@ -363,3 +363,26 @@ def test_prepared_uploads_parse_no_sdk_model_during_training(tmp_path, s3_server
     head = s3_server["client"].head_object(Bucket="ckpt", Key="prepared/part.bin")
     assert head["ContentLength"] == 4096
     assert parsed == []
+
+
+def test_lost_steps_count_from_the_ram_tiers_newest_snapshot_past_the_written_history(tmp_path):
+    """On S3 the metrics a hard kill took with it end before the kill (rewritten every few
+    seconds and at checkpoints); a step that some keeper held was trained, so the next
+    attempt counts its lost steps from there."""
+    from types import SimpleNamespace
+
+    from trainer.loop import _journal_attempt
+
+    run = resolve(str(tmp_path / "run"))
+    journal.Journal(run, "attempt-1-rank0").add("attempt", attempt=1, from_step=0, lost_steps=0)
+    history = [{"event": "train", "step": s, "time": 1000.0 + s} for s in range(1, 11)]
+    rt = SimpleNamespace(journal=journal.Journal(run, "attempt-2-rank0"), run=run, world_size=2)
+    # The RAM tier restored step 16; the newest snapshot a keeper held was of step 18.
+    _journal_attempt(rt, 2, history, 16, "memory-own", trained_to=18)
+    # A restore from storage's step 10 with nothing known past the history: none lost.
+    rt.journal = journal.Journal(run, "attempt-3-rank0")
+    _journal_attempt(rt, 3, history, 10, "storage")
+    got = {r["source"]: r for r in journal.read(run) if r["event"] == "attempt"}
+    assert got["attempt-2-rank0"]["after"] == "failure"
+    assert got["attempt-2-rank0"]["lost_steps"] == 2
+    assert got["attempt-3-rank0"]["lost_steps"] == 0
