@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -75,10 +74,11 @@ def run_to_end(cluster, job_path: Path, overrides: list[str] | None = None, env=
     return cfg, summary, logs
 
 
-def run_killed(cluster, job_path: Path, at: int, overrides: list[str] | None = None):
+def run_killed(cluster, job_path: Path, at: int, overrides: list[str] | None = None, env=None):
     """One Ray job whose last rank the fault drill SIGKILLs after step `at` (first attempt
     only); Ray Train restarts the group from the newest complete checkpoint."""
-    return run_to_end(cluster, job_path, overrides, env={"RAYLIFT_FAULT_KILL_AFTER_STEP": str(at)})
+    env = {**(env or {}), "RAYLIFT_FAULT_KILL_AFTER_STEP": str(at)}
+    return run_to_end(cluster, job_path, overrides, env=env)
 
 
 def retrained(records: list[dict[str, Any]], steps: list[int]) -> list[tuple[float, float]]:
@@ -109,26 +109,25 @@ def train_workers(client: Any, job_id: str) -> dict[int, psutil.Process]:
     return group
 
 
-def kill_rank1_and_time_recovery(
-    client: Any, job_id: str, cfg: Any, at_step: int, timeout: float = 600.0
+def recovery_after_self_kill(
+    cluster: Any, job_path: Path, at_step: int, env: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """SIGKILLs rank 1 of a running job once rank 0 has logged step `at_step`, follows
-    the job to success, and returns the seconds from the kill to the restarted attempt's
-    first step, the steps that attempt lost, and where it restored from."""
+    """Runs a job whose last rank SIGKILLs itself once every rank has finished step
+    `at_step` (the fault drill, first attempt only) to success. Rank 0 flushes the metrics
+    just before, so the step's record marks the kill, on local storage and on S3 alike
+    (S3 metrics are otherwise written only at checkpoints). Returns the seconds from the
+    kill to the restarted attempt's first step (`seconds`) and to its first new step, the
+    first past `at_step` (`new_step_seconds`: the run making progress again, retrained
+    steps included), and the journal's `lost_steps` and `restored_from`."""
+    cfg, _, _ = run_killed(cluster, job_path, at_step, env=env)
     run = resolve(cfg.storage.path, cfg.storage.endpoint_override).join(cfg.run.name)
-    metrics = run.join("metrics.jsonl")
-    deadline = time.monotonic() + timeout
-    while not any(r.get("step", 0) >= at_step for r in read_records(metrics)):
-        assert time.monotonic() < deadline, f"step {at_step} not reached in {timeout:.0f} s"
-        time.sleep(0.02)
-    os.kill(train_workers(client, job_id)[1].pid, signal.SIGKILL)
-    killed = time.time()
-    status, _ = follow(client, job_id, progress=False)
-    assert status == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]
-    first = min(r["time"] for r in read_records(metrics) if r.get("attempt") == 2 and "loss" in r)
+    steps = [r for r in read_records(run.join("metrics.jsonl")) if "loss" in r]
+    killed = max(r["time"] for r in steps if r.get("attempt") == 1 and r["step"] == at_step)
+    second = [r for r in steps if r.get("attempt") == 2]
     attempts = [a for a in journal.read(run) if a["event"] == "attempt"]
     return {
-        "seconds": first - killed,
+        "seconds": min(r["time"] for r in second) - killed,
+        "new_step_seconds": min(r["time"] for r in second if r["step"] > at_step) - killed,
         "lost_steps": float(attempts[-1]["lost_steps"]),
         "restored_from": attempts[-1].get("restored_from"),
     }
