@@ -115,10 +115,10 @@ def recovery_after_self_kill(
     """Runs a job whose last rank SIGKILLs itself once every rank has finished step
     `at_step` (the fault drill, first attempt only) to success. Rank 0 flushes the metrics
     just before, so the step's record marks the kill, on local storage and on S3 alike
-    (S3 metrics are otherwise written only at checkpoints). Returns the seconds from the
-    kill to the restarted attempt's first step (`seconds`) and to its first new step, the
-    first past `at_step` (`new_step_seconds`: the run making progress again, retrained
-    steps included), and the journal's `lost_steps` and `restored_from`."""
+    (S3 metrics are otherwise rewritten only at checkpoints and every 15 s). Returns the
+    seconds from the kill to the restarted attempt's first step (`seconds`) and to its
+    first new step, the first past `at_step` (`new_step_seconds`: the run making progress
+    again, retrained steps included), and the journal's `lost_steps` and `restored_from`."""
     cfg, _, _ = run_killed(cluster, job_path, at_step, env=env)
     run = resolve(cfg.storage.path, cfg.storage.endpoint_override).join(cfg.run.name)
     steps = [r for r in read_records(run.join("metrics.jsonl")) if "loss" in r]

@@ -86,8 +86,11 @@ class MetricsFile:
             with self._lock:
                 if not self._dirty:
                     return
-                body = "".join(line + "\n" for line in self._lines).encode()
+                upto = len(self._lines)
                 self._dirty = False
+            # Lines are only ever appended: the first `upto` are joined outside the lock,
+            # so a step's write() never waits for a long history to be joined.
+            body = "".join(line + "\n" for line in self._lines[:upto]).encode()
             try:
                 with self.loc.fs.open_output_stream(self.loc.path) as f:
                     f.write(body)
