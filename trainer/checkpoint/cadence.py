@@ -1,0 +1,447 @@
+"""The checkpoint cadence: which steps each tier saves, from measured costs and failure rates.
+
+`checkpoint.every_steps: auto` (storage) and `checkpoint.memory_every: auto` (the RAM tier)
+let the run choose its own intervals instead of a guess that is either waste (a stall every
+few steps) or risk (a checkpoint interval of the whole cluster lost per fault).
+
+The rule (docs/checkpoints.md):
+
+- Each tier ℓ gets the interval that minimises its expected waste, Young's √(2·Cℓ·Mℓ)
+  (Cℓ the tier's blocking cost per save, Mℓ = 1/λℓ the mean time between the failures
+  only that tier must cover), in Daly's higher-order form when Cℓ/Mℓ is not small.
+- λ of the RAM tier: worker kills and single-node losses (a snapshot on a peer survives
+  them). λ of storage: buddy pairs lost together, the cluster's or the driver's loss (the
+  RAM tier cannot cover them); with the RAM tier off, storage covers every failure.
+  Drained spot notices count for neither: the drain saves at once and loses no step.
+- The overhead guard: a tier never stalls training more than `checkpoint.max_overhead`
+  of its time (Cℓ/τℓ ≤ max_overhead), measured inflation included.
+- The write floor: a tier's interval is never shorter than its background write takes,
+  so writes never queue behind each other.
+- The storage interval is a whole multiple of the RAM tier's.
+- After a rebalance recommendation or a burst of faults the rates count `BURST_FACTOR`
+  times higher for `BURST_S` seconds: the intervals shorten for a while.
+
+Pure Python (no torch): the planner and its simulator (`trainer.planner.faults_sim`) use
+the same rule on a laptop. Ranks agree on the intervals through the step's all-reduce
+(`ask`/`agreed`), so every rank saves the same steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+HARDWARE_FAILURES_PER_GPU_HOUR = 2e-5
+"""Unexpected interruptions per GPU-hour: Llama 3's 466 interruptions over 54 days on 16k
+H100s (about one every 2.8 h for the cluster) is ~2e-5 per GPU-hour. Worker kills (a GPU
+falling off the bus, an OOM kill, a lost NIC) land on the RAM tier."""
+
+SPOT_BANDS: dict[str, float] = {
+    "<5%": 0.025,
+    "5-10%": 0.075,
+    "10-15%": 0.125,
+    "15-20%": 0.175,
+    ">20%": 0.25,
+}
+"""AWS's spot interruption frequency bands (share of instances interrupted in a month, per
+type and region, from the Spot Instance Advisor) and the monthly rate each stands for (the
+band's middle; 25 % for the open top band)."""
+HOURS_PER_MONTH = 730.0
+
+UNDRAINED_SHARE = 0.1
+"""Share of spot reclaims the drain does not save in time (a notice missed, a node gone
+before its two minutes): single-node losses for the RAM tier. The rest are drained."""
+PAIR_SHARE = 0.05
+"""Share of node losses that take the node's buddy as well (spot reclaims come in waves
+over a capacity pool): the snapshot's both copies are gone, storage covers it."""
+DRIVER_FAILURES_PER_HOUR = 1.0 / (30 * 24)
+"""The head node or the driver lost (on demand): one a month, an assumption stated in
+docs/checkpoints.md; storage covers it."""
+
+BURST_FACTOR = 4.0
+"""After a rebalance recommendation or a fault burst the rates count this many times
+higher (the intervals halve, √4)..."""
+BURST_S = 1800.0
+"""...for this long."""
+BURST_FAULTS = 2
+"""This many faults within BURST_S make a burst."""
+
+PRIOR_HOURS = 24.0
+"""Weight of the prior in the rate estimate, in hours of observation: a run's own faults
+move the rates once it has run about this long."""
+
+RAM, STORAGE = "memory", "storage"
+RAM_CAUSES = ("worker_died", "worker_kill", "node_lost", "oom")
+STORAGE_CAUSES = ("pair_lost", "cluster_lost", "driver_lost")
+DRAINED_CAUSES = ("preempted", "drained")
+
+
+# ---------------------------------------------------------------- the formulas
+
+
+def young(cost_s: float, mtbf_s: float) -> float:
+    """Young (1974): the interval minimising expected waste to first order, √(2·C·M)."""
+    return math.sqrt(2.0 * cost_s * mtbf_s)
+
+
+def daly(cost_s: float, mtbf_s: float) -> float:
+    """Daly (2006): the higher-order optimum, √(2CM)·[1 + ⅓·√(C/2M) + ⅑·(C/2M)] − C for
+    C < 2M, else M (checkpointing more often than failures come helps no more)."""
+    if cost_s <= 0:
+        return 0.0
+    if cost_s >= 2.0 * mtbf_s:
+        return mtbf_s
+    r = cost_s / (2.0 * mtbf_s)
+    return young(cost_s, mtbf_s) * (1.0 + math.sqrt(r) / 3.0 + r / 9.0) - cost_s
+
+
+def interval_s(cost_s: float, rate_per_s: float) -> float:
+    """The tier's optimal interval in seconds: Young's when C/M is small (< 1e-3, where
+    the two agree to 1 %), Daly's otherwise; infinite when nothing fails."""
+    if rate_per_s <= 0:
+        return math.inf
+    mtbf = 1.0 / rate_per_s
+    if cost_s <= 0:
+        return 0.0
+    return young(cost_s, mtbf) if cost_s / mtbf < 1e-3 else daly(cost_s, mtbf)
+
+
+def expected_waste(interval: float, cost_s: float, rate_per_s: float, restart_s: float) -> float:
+    """Expected share of time lost to one tier: its stalls (C/τ) plus, per failure, half an
+    interval retrained and the restart (first order, as the planner prints)."""
+    if math.isinf(interval):
+        return 0.0 if rate_per_s == 0 else 1.0
+    if interval <= 0:
+        return 1.0
+    return cost_s / interval + rate_per_s * (interval / 2.0 + cost_s + restart_s)
+
+
+# ---------------------------------------------------------------- failure rates
+
+
+@dataclass
+class Rates:
+    """Failures per hour of the whole job that each tier must cover."""
+
+    memory: float
+    storage: float
+    drained: float = 0.0
+
+    def without_memory_tier(self) -> Rates:
+        """With no RAM tier storage covers every failure the RAM tier would have."""
+        return Rates(0.0, self.memory + self.storage, self.drained)
+
+
+def spot_rate_per_node_hour(band: str | None) -> float:
+    if band is None:
+        return 0.0
+    return SPOT_BANDS[band] / HOURS_PER_MONTH
+
+
+def prior_rates(
+    nodes: int,
+    gpus_per_node: int,
+    spot_band: str | None,
+    hardware_per_gpu_hour: float = HARDWARE_FAILURES_PER_GPU_HOUR,
+) -> Rates:
+    """The rates a run starts from: hardware failures per GPU-hour, the pool's spot band
+    (None: on demand), split over the tiers as the module says."""
+    gpus = max(1, nodes * max(1, gpus_per_node))
+    hardware = gpus * hardware_per_gpu_hour
+    spot = nodes * spot_rate_per_node_hour(spot_band)
+    undrained = spot * UNDRAINED_SHARE
+    losses = hardware + undrained
+    pair = losses * PAIR_SHARE if nodes > 1 else 0.0
+    return Rates(
+        memory=losses - pair,
+        storage=pair + DRIVER_FAILURES_PER_HOUR,
+        drained=spot - undrained,
+    )
+
+
+def tier_of(cause: str) -> str | None:
+    """Which tier a journaled failure counts for (None: a drained notice, or not a fault)."""
+    if cause in DRAINED_CAUSES:
+        return None
+    if cause in STORAGE_CAUSES:
+        return STORAGE
+    if cause in RAM_CAUSES:
+        return RAM
+    return None
+
+
+def observed_rates(prior: Rates, faults: dict[str, int], hours: float) -> Rates:
+    """The prior updated by what the run (and the cluster's past runs) saw: a Gamma-style
+    mean, (prior·PRIOR_HOURS + count) / (PRIOR_HOURS + hours) per tier."""
+    count = {RAM: 0, STORAGE: 0}
+    for cause, n in faults.items():
+        tier = tier_of(cause)
+        if tier is not None:
+            count[tier] += n
+    total = PRIOR_HOURS + max(0.0, hours)
+    return Rates(
+        memory=(prior.memory * PRIOR_HOURS + count[RAM]) / total,
+        storage=(prior.storage * PRIOR_HOURS + count[STORAGE]) / total,
+        drained=prior.drained,
+    )
+
+
+# ---------------------------------------------------------------- the decision
+
+
+@dataclass
+class Costs:
+    """What a save of each tier costs, in seconds (measured, else the planner's priors)."""
+
+    step_s: float
+    memory_stall_s: float = 0.0
+    """The training thread's part of a snapshot (the staging copy), plus the step time it
+    inflates while the snapshot travels."""
+    memory_write_s: float = 0.0
+    """A snapshot's trip to the keepers (one in flight at a time)."""
+    storage_stall_s: float = 0.0
+    storage_write_s: float = 0.0
+    """The background write and upload of a storage checkpoint."""
+    restart_s: float = 0.0
+
+
+@dataclass
+class Decision:
+    """The intervals chosen, in steps, with every input that chose them (journaled)."""
+
+    memory_every: int
+    storage_every: int
+    reasons: dict[str, str] = field(default_factory=dict)
+    inputs: dict[str, Any] = field(default_factory=dict)
+
+
+def _steps(seconds: float, step_s: float, cap: int) -> int:
+    if math.isinf(seconds):
+        return cap
+    return max(1, min(cap, math.ceil(seconds / max(step_s, 1e-9) - 1e-9)))
+
+
+def decide(
+    costs: Costs,
+    rates: Rates,
+    *,
+    memory_tier: bool,
+    max_overhead: float = 0.02,
+    max_steps: int = 10**9,
+    burst: bool = False,
+    fixed_memory: int | None = None,
+    fixed_storage: int | None = None,
+) -> Decision:
+    """The multi-level Young/Daly rule with the overhead guard, the write floor and the
+    multiple. `fixed_*`: a tier the user set to a number keeps it (the other adapts)."""
+    r = rates if memory_tier else rates.without_memory_tier()
+    factor = BURST_FACTOR if burst else 1.0
+    reasons: dict[str, str] = {}
+
+    def tier(name: str, stall: float, write: float, rate_h: float) -> int:
+        rate_s = rate_h * factor / 3600.0
+        optimum = interval_s(stall, rate_s)
+        guard = stall / max_overhead if max_overhead > 0 else 0.0
+        chosen, why = optimum, "young" if stall * rate_s < 1e-3 else "daly"
+        if guard > chosen:
+            chosen, why = guard, "overhead"
+        if write > chosen:
+            chosen, why = write, "write"
+        if math.isinf(chosen):
+            why = "no failures"
+        reasons[name] = why
+        return _steps(chosen, costs.step_s, max_steps)
+
+    mem = 0
+    if memory_tier:
+        if fixed_memory is not None:
+            mem, reasons[RAM] = fixed_memory, "fixed"
+        else:
+            mem = tier(RAM, costs.memory_stall_s, costs.memory_write_s, r.memory)
+    if fixed_storage is not None:
+        sto, reasons[STORAGE] = fixed_storage, "fixed"
+    else:
+        sto = tier(STORAGE, costs.storage_stall_s, costs.storage_write_s, r.storage)
+        if mem:
+            sto = max(mem, round(sto / mem) * mem)  # a whole multiple of the RAM tier's
+            if sto * costs.step_s < costs.storage_write_s:  # rounding down broke the floor
+                sto += mem
+    return Decision(
+        memory_every=mem,
+        storage_every=sto,
+        reasons=reasons,
+        inputs={
+            "costs": {k: round(v, 4) for k, v in asdict(costs).items()},
+            "rates_per_hour": {k: round(v, 8) for k, v in asdict(r).items()},
+            "max_overhead": max_overhead,
+            "burst": burst,
+        },
+    )
+
+
+# ---------------------------------------------------------------- the run's component
+
+
+def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
+
+
+class Cadence:
+    """The loop's cadence component for `auto` intervals. It measures (step time, each
+    tier's stall and write), decides again when a measurement moves by more than
+    `MOVE` or a burst starts or ends, journals each decision with its inputs, and answers
+    `memory_due` / `storage_due`. Ranks agree through `ask`/`agreed` (the step's
+    all-reduce sums each rank's proposal; every rank rounds the same mean)."""
+
+    MOVE = 0.25
+    WARMUP_STEPS = 3
+
+    def __init__(
+        self,
+        rates: Rates,
+        *,
+        memory_tier: bool,
+        max_overhead: float = 0.02,
+        fixed_memory: int | None = None,
+        fixed_storage: int | None = None,
+        prior_costs: Costs | None = None,
+        journal: Callable[..., Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.rates, self.memory_tier, self.max_overhead = rates, memory_tier, max_overhead
+        self.fixed_memory, self.fixed_storage = fixed_memory, fixed_storage
+        self.journal, self.clock = journal, clock
+        self.costs = prior_costs or Costs(step_s=0.0)
+        self._step_s: float | None = None
+        self._burst_until = -math.inf
+        self._faults: list[float] = []
+        self.decision: Decision | None = None
+        self._last = {RAM: 0, STORAGE: 0}
+        self._steps_seen = 0
+        self._why = "measured"
+
+    # -- measurements
+    def step_time(self, seconds: float) -> None:
+        self._steps_seen += 1
+        self._step_s = _ema(self._step_s, seconds)
+        self.costs.step_s = self._step_s
+
+    def saved(self, tier: str, stall_s: float) -> None:
+        if tier == RAM:
+            self.costs.memory_stall_s = _ema(self.costs.memory_stall_s or None, stall_s)
+        else:
+            self.costs.storage_stall_s = _ema(self.costs.storage_stall_s or None, stall_s)
+
+    def written(self, tier: str, seconds: float) -> None:
+        if tier == RAM:
+            self.costs.memory_write_s = _ema(self.costs.memory_write_s or None, seconds)
+        else:
+            self.costs.storage_write_s = _ema(self.costs.storage_write_s or None, seconds)
+
+    def fault(self, cause: str, hours_run: float, counts: dict[str, int]) -> None:
+        """A fault seen (the journal at an attempt's start): the rates move, and two
+        within BURST_S start a burst."""
+        self.rates = observed_rates(self.rates, counts, hours_run)
+        now = self.clock()
+        self._faults = [t for t in self._faults if now - t < BURST_S] + [now]
+        if len(self._faults) >= BURST_FAULTS:
+            self.shorten("fault burst")
+
+    def shorten(self, why: str) -> None:
+        """A rebalance recommendation or a fault burst: shorter intervals for BURST_S (the
+        ranks' next proposals carry it; the decision is journaled with why)."""
+        self._burst_until = self.clock() + BURST_S
+        self._why = why
+
+    @property
+    def burst(self) -> bool:
+        return self.clock() < self._burst_until
+
+    # -- deciding
+    def propose(self) -> Decision | None:
+        """The decision this rank's measurements give (None until the step time is known)."""
+        if self._step_s is None or self._steps_seen < self.WARMUP_STEPS:
+            return None
+        return decide(
+            self.costs,
+            self.rates,
+            memory_tier=self.memory_tier,
+            max_overhead=self.max_overhead,
+            burst=self.burst,
+            fixed_memory=self.fixed_memory,
+            fixed_storage=self.fixed_storage,
+        )
+
+    def ask(self) -> list[float]:
+        """This rank's proposal for the step's all-reduce: [have one, memory, storage]."""
+        d = self.propose()
+        return (
+            [0.0, 0.0, 0.0] if d is None else [1.0, float(d.memory_every), float(d.storage_every)]
+        )
+
+    def agreed(self, summed: list[float]) -> None:
+        """The proposals summed over ranks: every rank takes the same rounded mean, and
+        keeps the current intervals unless one moved by more than MOVE (no flapping
+        between neighbours) or a burst began or ended."""
+        n, mem, sto = summed
+        if n < 1:
+            return
+        mem_every = max(1, round(mem / n)) if self.memory_tier else 0
+        sto_every = max(1, round(sto / n))
+        if mem_every:
+            sto_every = max(mem_every, round(sto_every / mem_every) * mem_every)
+        old = self.decision
+        if old is not None and old.inputs.get("burst") == self.burst:
+            moved = [
+                abs(new - cur) > self.MOVE * cur
+                for new, cur in ((mem_every, old.memory_every), (sto_every, old.storage_every))
+                if cur
+            ]
+            if not any(moved):
+                return
+        self._decide((mem_every, sto_every))
+
+    def _decide(self, agreed: tuple[int, int]) -> None:
+        d = self.propose()
+        if d is None:
+            return
+        why = self._why if self.burst else ("start" if self.decision is None else "measured")
+        d.memory_every, d.storage_every = agreed
+        self.decision = d
+        if self.journal is not None:
+            self.journal(
+                "cadence",
+                why=why,
+                memory_every=d.memory_every,
+                storage_every=d.storage_every,
+                reasons=d.reasons,
+                **d.inputs,
+            )
+
+    def decide_alone(self) -> None:
+        """Single-process use (the simulator, tests): agree with nobody but oneself."""
+        self.agreed(self.ask())
+
+    # -- answering
+    def _due(self, tier: str, done: int) -> bool:
+        d = self.decision
+        if d is None:
+            return False
+        every = d.memory_every if tier == RAM else d.storage_every
+        if every <= 0 or done - self._last[tier] < every:
+            return False
+        self._last[tier] = done
+        return True
+
+    def memory_due(self, done: int) -> bool:
+        return self._due(RAM, done)
+
+    def storage_due(self, done: int) -> bool:
+        return self._due(STORAGE, done)
+
+    def restored(self, step: int) -> None:
+        """A new attempt starts from `step`: intervals count from there."""
+        self._last = {RAM: step, STORAGE: step}
