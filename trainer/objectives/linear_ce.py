@@ -1,0 +1,376 @@
+"""The causal-LM loss without the whole logits: lm_head, cross-entropy and their gradients
+a chunk of tokens at a time.
+
+Hugging Face's causal LMs compute `logits = lm_head(hidden)` for every token and upcast
+them to fp32 for the loss; autograd then keeps them and makes their gradient, each
+tokens × vocab × 4 bytes (at vocab 128,256 and 8 × 512 tokens, 2 GiB apiece, more than
+every checkpointed layer input together). Here the forward walks the tokens in chunks:
+per chunk the logits, their log-sum-exp, the chunk's loss and, while the chunk's logits
+are at hand, its gradients with respect to the hidden states, the lm_head weight and bias
+(accumulated over chunks in fp32). Backward only scales the saved gradients by the
+incoming one. Peak: one chunk's logits and their gradient, plus the gradients themselves
+(which the plain loss makes too).
+
+What it honours, as `transformers.loss.loss_utils.ForCausalLMLoss` does: the one-token
+shift, the ignore label (-100), `num_items_in_batch` (a token sum over that divisor, the
+loop's global target count; else the mean over the batch's targets), an lm_head bias,
+tied embeddings (the weight is whatever Parameter lm_head holds), and Gemma's
+`final_logit_softcapping` (cap · tanh(z / cap)).
+
+How it is wired (`install`): the loaded causal LM's lm_head becomes a `LinearCEHead` (an
+nn.Linear that, given labels, returns the loss instead of logits) and the model instance's
+forward, given labels, hands them to it. The loss is computed *inside the lm_head module's
+call*, so every framework that gathers parameters around a module's call sees its usual
+pattern: DeepSpeed ZeRO-3's forward hooks gather the lm_head weight (and its backward hook
+re-gathers it), FSDP2's root hooks have unsharded it, a PEFT `modules_to_save` copy of the
+head is called with the labels, and the backbone gets the attention kwargs (document
+masking) untouched. Without labels both return what they always did (logits), so eval
+logits, probes and exports are unchanged.
+
+On a GPU, liger-kernel's fused linear cross-entropy (Triton) runs the same computation
+when it is importable; elsewhere, or if it is not, the chunked torch version below.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+IGNORE = -100
+"""trainer.data.tokenize.IGNORE: the label Hugging Face's loss skips."""
+
+DEFAULT_CHUNK = 1024
+"""Tokens per chunk: at vocab 128,256 one chunk's fp32 logits are 0.5 GiB."""
+
+CAUSAL_LMS = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Phi3ForCausalLM",
+    }
+)
+"""Causal LMs whose forward (transformers 5.23.0) was read and is exactly: backbone →
+last_hidden_state → lm_head → optional final_logit_softcapping → ForCausalLMLoss. No
+logit scaling beyond the softcap; `logits_to_keep` only slices the hidden states (and is
+left to the plain forward)."""
+
+
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Each position's next token (the last position's is ignored), flattened."""
+    return F.pad(labels, (0, 1), value=IGNORE)[..., 1:].reshape(-1)
+
+
+# ------------------------------------------------------------------ the chunked loss
+
+
+def _chunk_logits(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chunk's fp32 logits (the matmul in the model's compute dtype, as lm_head runs it,
+    then upcast as the plain loss does), softcapped; and tanh's value for the backward."""
+    z = F.linear(h, weight, bias).float()
+    if softcap is None:
+        return z, None
+    t = torch.tanh(z / softcap)
+    return t * softcap, t
+
+
+def _chunk_loss(z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Sum over the chunk's kept targets of logsumexp(z) - z[target], in fp32."""
+    keep = target != IGNORE
+    safe = torch.where(keep, target, 0)
+    picked = z.gather(1, safe.unsqueeze(1)).squeeze(1)
+    return ((torch.logsumexp(z, dim=-1) - picked) * keep).sum()
+
+
+def _divisor(targets: torch.Tensor, num_items: Any) -> torch.Tensor:
+    """What the token sum is divided by: the caller's count (HF's num_items_in_batch),
+    else the batch's own target count (the plain loss's mean)."""
+    if num_items is None:
+        return (targets != IGNORE).sum().float()
+    if torch.is_tensor(num_items):
+        return num_items.to(device=targets.device, dtype=torch.float32)
+    return torch.tensor(float(num_items), device=targets.device)
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    """Loss and gradients in one pass over the chunks; backward scales the saved ones."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        divisor: torch.Tensor,
+        softcap: float | None,
+        chunk: int,
+    ) -> torch.Tensor:
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        scale = 1.0 / divisor
+        compute = _compute_dtype(hidden, weight)
+        w_low = weight.to(compute)  # cast once, as autocast's cache would
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        f32 = torch.float32
+        grad_w = torch.zeros(weight.shape, dtype=f32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=f32, device=bias.device) if need_b else None  # type: ignore[union-attr]
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start : start + chunk]
+            target = targets[start : start + chunk]
+            z, t = _chunk_logits(h, weight, bias, softcap)
+            total += _chunk_loss(z, target)
+            # d(loss)/dz = (softmax(z) - onehot(target)) / divisor on kept rows, 0 elsewhere.
+            keep = (target != IGNORE).unsqueeze(1)
+            dz = torch.softmax(z, dim=-1)
+            dz.scatter_add_(1, torch.where(keep.squeeze(1), target, 0).unsqueeze(1), -keep.float())
+            dz.mul_(keep * scale)
+            del z
+            if t is not None:
+                dz.mul_(1.0 - t * t)  # through cap · tanh(z / cap)
+            low = dz.to(compute)  # the dtype autograd would give the logits' gradient
+            if grad_h is not None:
+                grad_h[start : start + chunk] = (low @ w_low).to(grad_h.dtype)
+            if grad_w is not None:
+                grad_w += (low.t() @ h.to(compute)).float()
+            if grad_b is not None:
+                grad_b += dz.sum(0)
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.weight_dtype = weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return total / divisor
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        out_h = None if grad_h is None else grad_h * grad.to(grad_h.dtype)
+        out_w = None if grad_w is None else (grad_w * grad).to(ctx.weight_dtype)
+        out_b = None if grad_b is None else (grad_b * grad).to(ctx.bias_dtype)
+        return out_h, out_w, out_b, None, None, None, None
+
+
+def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype lm_head's matmul runs in: autocast's when it is on, else the inputs'."""
+    kind = h.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return torch.promote_types(h.dtype, weight.dtype)
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    num_items_in_batch: Any = None,
+    softcap: float | None = None,
+    chunk: int = DEFAULT_CHUNK,
+) -> torch.Tensor:
+    """HF's causal-LM loss of `lm_head(hidden)` against `labels` (unshifted, [batch, seq]),
+    a chunk of `chunk` tokens at a time, never holding more than one chunk's logits."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    targets = shifted_targets(labels).to(h.device)
+    divisor = _divisor(targets, num_items_in_batch)
+    needs = torch.is_grad_enabled() and (
+        h.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if needs:
+        return _ChunkedLinearCE.apply(h, weight, bias, targets, divisor, softcap, chunk)
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for start in range(0, h.shape[0], chunk):
+        z, _ = _chunk_logits(h[start : start + chunk], weight, bias, softcap)
+        total += _chunk_loss(z, targets[start : start + chunk])
+    return total / divisor
+
+
+def _liger_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    num_items_in_batch: Any,
+    softcap: float | None,
+) -> torch.Tensor | None:
+    """liger-kernel's fused linear cross-entropy (Triton, CUDA only) as a token sum over
+    the same divisor; None when it is not importable (the chunked version runs)."""
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError:
+        return None
+    h = hidden.reshape(-1, hidden.shape[-1])
+    targets = shifted_targets(labels).to(h.device)
+    out = liger_fused_linear_cross_entropy(
+        h,
+        weight,
+        targets,
+        bias,
+        ignore_index=IGNORE,
+        reduction="sum",
+        softcap=softcap,
+        accum_dtype=torch.float32,
+    )
+    loss = out[0] if isinstance(out, tuple) else getattr(out, "loss", out)
+    return loss.float() / _divisor(targets, num_items_in_batch)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    num_items_in_batch: Any = None,
+    softcap: float | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    fused: bool = True,
+) -> torch.Tensor:
+    """The loss on the best path this device has: liger's fused kernel on CUDA when it is
+    installed (and `fused`), else the chunked torch version."""
+    if fused and hidden.is_cuda:
+        loss = _liger_loss(hidden, weight, bias, labels, num_items_in_batch, softcap)
+        if loss is not None:
+            return loss
+    return chunked_linear_cross_entropy(
+        hidden, weight, bias, labels, num_items_in_batch, softcap, chunk
+    )
+
+
+# ------------------------------------------------------------------ wiring into HF models
+
+
+class LinearCEHead(torch.nn.Linear):
+    """lm_head that, given labels, returns the loss instead of the logits. Same parameters,
+    same state-dict keys; without labels it is nn.Linear."""
+
+    chunk: int = DEFAULT_CHUNK
+    fused: bool = True
+
+    def forward(  # type: ignore[override]
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        num_items_in_batch: Any = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        if labels is None:
+            return super().forward(hidden)
+        return linear_cross_entropy(
+            hidden,
+            self.weight,
+            self.bias,
+            labels,
+            num_items_in_batch,
+            softcap,
+            self.chunk,
+            self.fused,
+        )
+
+
+def takes_labels(head: Any) -> bool:
+    """Whether calling `head(hidden, labels=...)` reaches a LinearCEHead: the head itself,
+    or PEFT's modules_to_save wrapper around copies of it."""
+    if isinstance(head, LinearCEHead):
+        return True
+    inner = getattr(head, "original_module", None)
+    copies = getattr(head, "modules_to_save", None)
+    if not isinstance(inner, LinearCEHead) or copies is None:
+        return False
+    return all(isinstance(m, LinearCEHead) for m in copies.values())
+
+
+def supported(model: Any) -> bool:
+    """A causal LM whose forward this module was checked against, with a plain lm_head."""
+    head = getattr(model, "lm_head", None)
+    return (
+        any(c.__name__ in CAUSAL_LMS for c in type(model).__mro__)
+        and type(head) in (torch.nn.Linear, LinearCEHead)
+        and hasattr(model, "model")
+    )
+
+
+def install(model: Any, chunk: int = DEFAULT_CHUNK, fused: bool = True) -> bool:
+    """Make `model` (a freshly built HF causal LM, on any device, meta included) compute
+    its labelled loss chunk-wise. False, with nothing changed, for a model it does not
+    know (the plain loss stays)."""
+    if not supported(model):
+        log.info("loss: %s keeps the plain loss (not a verified causal LM)", type(model).__name__)
+        return False
+    head = model.lm_head
+    head.__class__ = LinearCEHead
+    head.chunk, head.fused = int(chunk), bool(fused)
+    model.forward = types.MethodType(_forward, model)
+    return True
+
+
+def _forward(
+    self: Any,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    past_key_values: Any = None,
+    inputs_embeds: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    use_cache: bool | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    **kwargs: Any,
+) -> Any:
+    """The class's forward, except that with labels the logits are never made whole."""
+    plain = isinstance(logits_to_keep, torch.Tensor) or logits_to_keep != 0
+    if labels is None or plain or "shift_labels" in kwargs or not takes_labels(self.lm_head):
+        return type(self).forward(
+            self,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    outputs = self.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        **kwargs,
+    )
+    loss = self.lm_head(
+        outputs.last_hidden_state,
+        labels=labels,
+        num_items_in_batch=kwargs.get("num_items_in_batch"),
+        softcap=getattr(self.config, "final_logit_softcapping", None),
+    )
+    return CausalLMOutputWithPast(
+        loss=loss,
+        logits=None,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
+
+
+__all__ = [
+    "CAUSAL_LMS",
+    "DEFAULT_CHUNK",
+    "LinearCEHead",
+    "chunked_linear_cross_entropy",
+    "install",
+    "linear_cross_entropy",
+]
