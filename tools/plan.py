@@ -17,7 +17,13 @@ import sys
 from trainer.config import load_config
 from trainer.errors import UserError
 from trainer.planner.plan import Layout, Plan
-from trainer.planner.report import add_arguments, format_plan, plan_from_args
+from trainer.planner.report import (
+    add_arguments,
+    format_plan,
+    memory_sum_lines,
+    plan_from_args,
+    same_layout,
+)
 from trainer.planner.shape import GIB
 
 _STYLE = {"fits": "green", "tight": "yellow", "does not fit": "bold red"}
@@ -45,14 +51,23 @@ def render(plan: Plan) -> None:
         (f"activations (checkpointing {'on' if r.checkpointing else 'off'})", r.activations),
         ("  if checkpointing off", r.activations_no_ckpt),
         ("  if checkpointing on", r.activations_ckpt),
-        ("framework overhead", r.overhead),
-        ("total", r.total),
     ]
+    mem.add_column("made of")
     for name, value in rows:
-        mem.add_row(name, f"{value / GIB:.1f}")
+        mem.add_row(name, f"{value / GIB:.1f}", "")
+    # The peak, the device lines and the total, each with how it is made (the plain text's).
+    for line in memory_sum_lines(plan):
+        label, _, rest = line.strip().partition("  ")
+        figure, _, why = rest.strip().partition("   ")
+        if figure.endswith("GiB"):
+            mem.add_row(label, figure.removesuffix(" GiB").strip(), why.strip(), end_section=False)
+        else:
+            mem.caption = (mem.caption + "\n" if mem.caption else "") + line.strip()
     console.print(mem)
     for title, lay in (("layout", plan.layout), ("cheapest layout that fits", plan.cheapest)):
-        if lay is not None:
+        if lay is plan.cheapest and same_layout(plan.layout, lay):
+            console.print(f"{title}: the layout above", markup=False, highlight=False)
+        elif lay is not None:
             console.print(_layout_table(title, lay, plan.tokens_per_epoch))
     if plan.layout is None and plan.cheapest is None and plan.setup.gpu:
         console.print("[bold red]no catalog layout fits this job at up to 64 workers")
@@ -92,7 +107,7 @@ def _layout_table(title: str, lay: Layout, tokens: int | None) -> object:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("config")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -34,15 +34,23 @@ class LoraSection(_Section):
     r: int = Field(default=8, ge=1, description="Adapter rank.")
     alpha: float = Field(default=16.0, gt=0, description="Scale; the update is alpha/r × BA.")
     dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the adapter input.")
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-        min_length=1,
-        description="Module names that get adapters (Llama/Mistral/Qwen attention by default).",
+    target_modules: list[str] | Literal["auto", "all-linear"] = Field(
+        default="auto",
+        description="Module names that get adapters. auto: peft's default for the model's "
+        "architecture where it has one, else every linear of the attention and MLP blocks "
+        "(docs/models.md lists each family's); all-linear: every such linear.",
     )
     merge_on_export: bool = Field(
         default=False,
         description="Also export the base model with the adapter merged in (model_merged/).",
     )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("an empty list; give module names, or auto")
+        return value
 
 
 class ModelSection(_Section):
@@ -56,9 +64,13 @@ class ModelSection(_Section):
     )
     # flash_attention_2 is not offered: the GPU image's lock has no flash-attn package, and
     # a setting that can only fail on the cluster is worse than no setting. sdpa already
-    # dispatches to a flash kernel on GPUs that have one.
-    attn_implementation: Literal["sdpa", "eager"] = Field(
-        default="sdpa", description="sdpa uses PyTorch's fused (flash) kernels where available."
+    # dispatches to a flash kernel on GPUs that have one (trainer.model.families).
+    attn_implementation: Literal["auto", "sdpa", "eager"] = Field(
+        default="auto",
+        description="auto: sdpa where the model supports it in the pinned transformers, "
+        "else eager (Gemma 2), resolved at preflight and printed in the plan. sdpa uses "
+        "PyTorch's fused (flash) kernels where available; a model that cannot run it is "
+        "refused at preflight.",
     )
     gradient_checkpointing: bool = Field(
         default=False, description="Recompute activations in backward: less memory, ~30% slower."
@@ -274,9 +286,64 @@ StrategyOptions = Annotated[
 ]
 
 
+OBJECTIVES = ("sft", "dpo", "ipo", "hinge", "simpo", "orpo")
+"""Training objectives (trainer.objectives): what a batch is and how its loss is made."""
+
+PREFERENCE_BETA = {"dpo": 0.1, "ipo": 0.1, "hinge": 0.1, "simpo": 2.0, "orpo": 0.1}
+"""beta when train.preference.beta is unset: TRL's DPOConfig (0.1; for IPO its tau) and
+ORPOConfig (lambda, 0.1), the SimPO paper's 2.0."""
+
+
+class PreferenceSection(_Section):
+    beta: float | None = Field(
+        default=None,
+        gt=0,
+        description="dpo/hinge: the KL strength; ipo: the regularisation tau; simpo: the "
+        "reward scale; orpo: lambda, the odds-ratio weight. null: 0.1 (dpo, ipo, hinge, "
+        "orpo: TRL's defaults), 2.0 (simpo: the SimPO paper's).",
+    )
+    simpo_gamma: float = Field(
+        default=1.0,
+        ge=0,
+        description="simpo: the target reward margin gamma (the paper's gamma/beta = 0.5 "
+        "with beta 2.0).",
+    )
+    label_smoothing: float = Field(
+        default=0.0,
+        ge=0,
+        lt=0.5,
+        description="dpo and simpo: the probability that a pair's labels are flipped "
+        "(conservative DPO); 0 is the plain loss.",
+    )
+    max_prompt_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="A pair longer than data.block_size first loses prompt tokens from the "
+        "left down to this many (default: half of block_size), then both completions are cut "
+        "on the right to fit. Chosen and rejected always keep the same prompt.",
+    )
+
+    def beta_for(self, objective: str) -> float:
+        return self.beta if self.beta is not None else PREFERENCE_BETA[objective]
+
+
 class TrainSection(_Section):
+    objective: Literal["sft", "dpo", "ipo", "hinge", "simpo", "orpo"] = Field(
+        default="sft",
+        description="sft: next-token loss on the data's targets. dpo, ipo, hinge: preference "
+        "losses against a reference (the base with the adapter off under lora/qlora, else "
+        "log-probs precomputed before step 1); simpo, orpo: preference losses without a "
+        "reference. Preference data are prompt/chosen/rejected rows (docs: preference).",
+    )
+    preference: PreferenceSection = Field(
+        default_factory=PreferenceSection,
+        description="Options of the preference objectives.",
+    )
     micro_batch_size: int = Field(
-        default=1, ge=1, description="Sequences per worker per micro step."
+        default=1,
+        ge=1,
+        description="Sequences per worker per micro step (pairs, each two sequences, for a "
+        "preference objective).",
     )
     grad_accum: int = Field(default=1, ge=1, description="Micro steps per optimizer step.")
     global_batch_size: int | None = Field(
@@ -333,6 +400,13 @@ class TrainSection(_Section):
         "every node (inductor builds its kernels there); the first steps are slower while "
         "it compiles. Off by default: on CPU it did not pay (docs: strategies, benchmarks).",
     )
+    loss: Literal["auto", "chunked", "plain"] = Field(
+        default="auto",
+        description="The causal-LM loss: chunked never holds a batch's whole logits (liger-kernel "
+        "on GPUs when installed); auto = chunked for the families it was checked on, "
+        "plain (the model's own) otherwise and under pp/tp (docs: strategies).",
+    )
+    loss_chunk: int = Field(default=1024, ge=1, description="Tokens per chunk of the chunked loss.")
 
 
 class ScalingSection(_Section):
@@ -359,6 +433,14 @@ class ScalingSection(_Section):
     rank0_label: dict[str, str] | None = Field(
         default_factory=lambda: {"large_cpu_mem": "true"},
         description="Put rank 0 on a node with these labels when the cluster has one.",
+    )
+    expandable_segments: bool = Field(
+        default=True,
+        description="GPU workers: PyTorch's allocator grows one segment per stream instead "
+        "of caching fixed ones (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set unless "
+        "you set PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF yourself), which removes most "
+        "fragmentation; the planner's allocator slack follows it. Turn off with CUDA graphs, "
+        "NCCL user-buffer registration or CUDA IPC sharing of tensors (docs: planning).",
     )
 
     @field_validator("num_workers")
@@ -387,8 +469,18 @@ class ScalingSection(_Section):
 
 
 class CheckpointSection(_Section):
-    every_steps: int | None = Field(
-        default=None, ge=1, description="Steps between resume checkpoints; null = only at the end."
+    every_steps: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
+        default="auto",
+        description="Steps between resume checkpoints in storage. auto: chosen by the run "
+        "from the measured save cost and the failures storage must cover, and chosen again "
+        "as they move (docs/checkpoints.md); null = only at the end.",
+    )
+    max_overhead: float = Field(
+        default=0.02,
+        gt=0,
+        lt=1,
+        description="With auto intervals, the share of training time a tier's checkpoints may "
+        "stall it: a measured stall above it lengthens that tier's interval.",
     )
     keep_last: int = Field(default=3, ge=1, description="Complete checkpoints kept; older pruned.")
     export_every: int | None = Field(
@@ -441,16 +533,23 @@ class CheckpointSection(_Section):
         description="How long an upload retries transient storage errors (throttling, a "
         "server briefly down) with backoff before the attempt fails.",
     )
-    memory_every: int = Field(
-        default=0,
-        ge=0,
+    memory_every: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        default="auto",
         description="Steps between snapshots of the resume state to the RAM tier: keepers "
         "(one Ray actor per node) hold the newest complete snapshot in host memory, each "
         "copied to a buddy keeper on another node, so a hard kill (a SIGKILLed worker, an "
         "OOM kill, a node lost without notice) restores from memory and loses at most a "
-        "step or two instead of a checkpoint interval. 0 = off. Ray Train runs with DDP, "
-        "FSDP and adapters; preflight refuses it with DeepSpeed, torchrun ignores it.",
+        "step or two instead of a checkpoint interval. 0 = off. auto (the default): on, "
+        "at the interval the run chooses from the measured snapshot cost and the rate of "
+        "hard kills, for Ray Train runs with DDP, FSDP and adapters; off with DeepSpeed "
+        "(a number there is refused at preflight) and under torchrun.",
     )
+
+    @property
+    def memory_tier(self) -> bool:
+        """Whether the RAM tier may be on (a number > 0, or auto); the runtime and the
+        strategy decide the rest (trainer.checkpoint.cadence.memory_tier_on)."""
+        return self.memory_every == "auto" or self.memory_every > 0
 
 
 class StorageSection(_Section):
@@ -611,6 +710,26 @@ class JobConfig(_Section):
                 "adapter lora"
             )
 
+    def _check_preference(self) -> None:
+        """What a preference objective cannot do in this build, each refused in one line."""
+        objective, s = self.train.objective, self.strategy
+        if isinstance(s, FSDPOptions) and (s.tp > 1 or s.pp > 1):
+            raise ValueError(
+                f"train.objective: {objective} with strategy.tp/pp > 1 is not supported in this "
+                "build (its sequence log-probs need whole-vocabulary logits on one rank); use "
+                "tp = pp = 1"
+            )
+        if isinstance(self.data.train_file, list):
+            raise ValueError(
+                f"data.train_file: a list of sources with train.objective {objective} is not "
+                "supported in this build; give one file, folder or glob of preference rows"
+            )
+        if self.data.eval_file is not None:
+            raise ValueError(
+                f"data.eval_file: not supported with train.objective {objective} in this build "
+                "(eval_loss is a next-token loss); leave it unset"
+            )
+
     @model_validator(mode="after")
     def _combinations(self) -> JobConfig:
         t, s = self.train, self.scaling
@@ -638,6 +757,8 @@ class JobConfig(_Section):
             )
         if self.model.adapter != "none":
             self._check_adapter()
+        if t.objective != "sft":
+            self._check_preference()
         if t.global_batch_size is not None:
             per_step = t.micro_batch_size * self.data_parallel
             if t.global_batch_size % per_step:

@@ -16,7 +16,6 @@ from trainer.config import DeepSpeedOptions, FSDPOptions, JobConfig
 from trainer.errors import UserError
 from trainer.planner.shape import (
     CPU_RANK_OVERHEAD,
-    GPU_OVERHEAD,
     HOST_PER_GPU_PROCESS,
     QLORA_BYTES_PER_PARAM,
     ModelShape,
@@ -41,6 +40,8 @@ class Setup:
     block_size: int = 1024
     checkpointing: bool = False
     eager_attention: bool = False
+    attention: str = "auto"
+    """model.attn_implementation; plan.for_model resolves auto for the model's family."""
     lora_r: int = 8
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     merge_on_export: bool = False
@@ -56,6 +57,11 @@ class Setup:
     offload_param: str = "none"
     memory_tier: bool = False
     """checkpoint.memory_every > 0: the RAM tier's keepers hold snapshots in host RAM."""
+    expandable_segments: bool = True
+    """scaling.expandable_segments: the allocator's slack line (trainer.planner.device)."""
+    loss: str = "plain"
+    """train.loss: auto | chunked | plain (`chunked_loss` says which one runs)."""
+    loss_chunk: int = 1024
 
     @classmethod
     def from_config(cls, cfg: JobConfig) -> Setup:
@@ -100,11 +106,15 @@ class Setup:
             block_size=cfg.data.block_size,
             checkpointing=ckpt,
             eager_attention=cfg.model.attn_implementation == "eager",
+            attention=cfg.model.attn_implementation,
             lora_r=cfg.model.lora.r,
-            lora_targets=tuple(cfg.model.lora.target_modules),
+            lora_targets=_targets(cfg.model.lora.target_modules),
             merge_on_export=cfg.model.lora.merge_on_export,
             grad_accum=cfg.train.grad_accum,
             memory_tier=cfg.checkpoint.memory_every > 0,
+            expandable_segments=cfg.scaling.expandable_segments,
+            loss=cfg.train.loss,
+            loss_chunk=cfg.train.loss_chunk,
             **kw,
         )
 
@@ -146,6 +156,15 @@ class RankMemory:
     """The part of `gradients` that stays allocated through the whole step (DDP's bucket
     buffers, DeepSpeed's gradient partitions and reduce buckets)."""
     notes: list[str] = field(default_factory=list)
+    device: dict[str, float] = field(default_factory=dict)
+    """GPU ranks: `overhead` by line (CUDA context, NCCL buffers, cuBLAS workspaces,
+    allocator slack; trainer.planner.device), and what each is made of in `device_why`."""
+    device_why: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tensors(self) -> float:
+        """The modelled tensors' peak: everything but `overhead`."""
+        return self.total - self.overhead
 
     @property
     def total(self) -> float:
@@ -196,8 +215,8 @@ def activation_bytes(shape: ModelShape, s: Setup, checkpointing: bool) -> float:
     where r is the residual stream's bytes (4 where weights are fp32 under autocast).
     With activation checkpointing a layer keeps only its input (r·h per token) and one
     layer's full set is rebuilt at a time in backward. The head keeps the final norm,
-    and the logits: c (lm_head output) + 4 (log_softmax output) + 4 + 4 (its gradient and
-    the logits' gradient in fp32) bytes per vocabulary entry and token.
+    and the loss its vocab-wide buffers (`logits_bytes`: all the logits with the plain
+    loss, one chunk's with the chunked one).
     """
     h, c = shape.hidden, s.c
     t = s.micro_batch * s.block_size
@@ -207,19 +226,56 @@ def activation_bytes(shape: ModelShape, s: Setup, checkpointing: bool) -> float:
         # A frozen linear's backward needs only its weight: its input is kept only where
         # a LoRA adapter on it trains (q/k/v share one input, gate/up another, down's is
         # the gate·up product).
-        targets = set(s.lora_targets)
+        targets = set(shape.lora_targets(s.lora_targets))
         inputs = h * (
-            bool(targets & {"q_proj", "k_proj", "v_proj"})
-            + bool(targets & {"gate_proj", "up_proj"})
+            bool(targets & {"q_proj", "k_proj", "v_proj", "qkv_proj"})
+            + bool(targets & {"gate_proj", "up_proj", "gate_up_proj"})
         )
         product = shape.intermediate if "down_proj" in targets else 0
     per_layer = c * (inputs + 2 * shape.q_dim + 2 * shape.kv_dim + 3 * shape.intermediate + product)
-    per_layer += 2 * (4 + r) * h
-    if s.eager_attention:
-        per_layer += shape.heads * s.block_size * (4 + c)
-    head = (4 + r) * h + r * h + (c + 12) * shape.vocab
+    per_layer += shape.norms * (4 + r) * h  # two RMSNorms (Gemma 2/3: four)
+    if s.eager_attention:  # + the soft-capping tanh's output (Gemma 2)
+        per_layer += shape.heads * s.block_size * (4 + c + c * bool(shape.attn_softcap))
+    head = (4 + r) * h + r * h
     layers = shape.layers * r * h + per_layer if checkpointing else shape.layers * per_layer
-    return float(t * (layers + head))
+    return float(t * (layers + head) + logits_bytes(shape, s, t))
+
+
+CHUNKED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+"""model_types whose causal LM trainer.objectives.linear_ce was checked against (its
+CAUSAL_LMS; a unit test keeps the two lists one)."""
+
+
+def chunked_loss(shape: ModelShape, s: Setup) -> bool:
+    """Whether the run computes its loss chunk-wise (trainer.objectives.linear_ce.configure):
+    train.loss chunked, or auto on a checked family; never under pp or tp."""
+    if s.loss == "plain" or s.tp * s.pp > 1:
+        return False
+    return s.loss == "chunked" or shape.model_type in (*CHUNKED_FAMILIES, "")
+
+
+def logits_bytes(shape: ModelShape, s: Setup, tokens: int) -> float:
+    """The loss's vocab-wide buffers for a micro batch of `tokens`.
+
+    Plain (the model's own loss): per token and vocabulary entry, c (lm_head output) + 4
+    (its fp32 upcast / log_softmax output) + 4 + 4 (their gradients in fp32), + c for a
+    softcap's tanh. Chunked: one chunk of `loss_chunk` tokens at a time, each holding its
+    fp32 logits, their exp for the log-sum-exp and their gradient (12 bytes), the matmul's
+    output in the compute dtype (c) and tanh's value under a softcap (4); plus what it
+    keeps from forward to backward: the gradient wrt the hidden states (tokens · h · c)
+    and, when lm_head trains, its fp32 weight gradient (vocab · h · 4)."""
+    v, softcap = shape.vocab, bool(shape.logit_softcap)
+    if not chunked_loss(shape, s):
+        return float(tokens * (s.c + 12 + s.c * softcap) * v)
+    chunk = min(tokens, s.loss_chunk)
+    kept = tokens * shape.hidden * s.c + (4 * v * shape.hidden if s.adapter == "none" else 0)
+    return float(chunk * v * (12 + s.c + 4 * softcap) + kept)
+
+
+def _targets(setting: list[str] | str) -> tuple[str, ...]:
+    """model.lora.target_modules as the planner carries it: the list, or (auto,) /
+    (all-linear,), resolved per family by ModelShape.lora_targets."""
+    return tuple(setting) if isinstance(setting, list) else (setting,)
 
 
 def _residual_bytes(s: Setup) -> int:
@@ -230,7 +286,15 @@ def _residual_bytes(s: Setup) -> int:
     return s.c
 
 
-def rank_memory(shape: ModelShape, s: Setup) -> RankMemory:
+def rank_memory(
+    shape: ModelShape,
+    s: Setup,
+    gpu_model: str | None = None,
+    ranks_per_node: int | None = None,
+    calibration: Any = None,
+) -> RankMemory:
+    """One rank's peak. On GPUs `overhead` is the device lines for that GPU kind and node
+    layout (trainer.planner.device: the default kind and 8 ranks a node when not given)."""
     m, n, c, o = shape.params, s.world, s.c, s.optim_bytes
     notes: list[str] = []
     held = 0.0
@@ -277,8 +341,8 @@ def rank_memory(shape: ModelShape, s: Setup) -> RankMemory:
         opt = on_gpu_opt * (master + o) * m / n
     act_full = _stage_activations(shape, s, False)
     act_ckpt = _stage_activations(shape, s, True)
-    overhead = GPU_OVERHEAD if s.gpu else CPU_RANK_OVERHEAD
-    return RankMemory(
+    overhead = 0.0 if s.gpu else CPU_RANK_OVERHEAD
+    rank = RankMemory(
         weights=w,
         gradients=g,
         optimizer=opt,
@@ -293,6 +357,12 @@ def rank_memory(shape: ModelShape, s: Setup) -> RankMemory:
             "total: gradients fill as backward frees the activations, so the larger counts",
         ],
     )
+    if s.gpu:
+        from trainer.planner.device import device_lines
+
+        lines = device_lines(s, rank.total, gpu_model, ranks_per_node, calibration)
+        rank.overhead, rank.device, rank.device_why = lines.total, lines.named(), lines.explain()
+    return rank
 
 
 def _rank_params(shape: ModelShape, s: Setup) -> tuple[float, float, float]:

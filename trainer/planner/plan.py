@@ -8,12 +8,14 @@ and `python -m trainer plan` runs it on a cluster node.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from trainer.config import JobConfig
 from trainer.errors import UserError
 from trainer.planner.catalog import InstanceType, get_instance, load_instances
+from trainer.planner.device import MIN_MARGIN
+from trainer.planner.device import margin as fit_margin
 from trainer.planner.flops import PEAK_FLOPS
 from trainer.planner.memory import (
     HostMemory,
@@ -144,8 +146,11 @@ def layout(
     ranks_per_node: int | None = None,
     tokens_per_s: float | None = None,
     mfu: float | None = None,
+    calibration: Any = None,
+    margin: float = MIN_MARGIN,
 ) -> Layout:
-    """Place `s.world` ranks: rank 0's node first (its own type if given), then the pool."""
+    """Place `s.world` ranks: rank 0's node first (its own type if given), then the pool.
+    A GPU node fits only with `margin` of each GPU left (trainer.planner.device.margin)."""
     rank = rank_memory(shape, s)
     host = host_memory(shape, s, rank)
     nodes: list[NodeCheck] = []
@@ -159,6 +164,8 @@ def layout(
             raise UserError(f"{inst.name}: has no GPU but the job sets scaling.use_gpu")
         k = _ranks_on(inst, s, ranks_per_node, left)
         count = math.ceil(left / k) if i == len(groups) - 1 else 1
+        on_gpu = rank_memory(shape, s, inst.gpu_model, k, calibration) if s.gpu else rank
+        usable = inst.gpu_memory_gib * GIB * (1 - margin)
         for node_index in range(count):
             on_node = min(k, left)
             left -= on_node
@@ -169,9 +176,9 @@ def layout(
                 count=1,
                 ranks_per_node=on_node,
                 rank0=rank0_here,
-                gpu_need=rank.total if s.gpu else 0.0,
+                gpu_need=on_gpu.total if s.gpu else 0.0,
                 gpu_capacity=inst.gpu_memory_gib * GIB,
-                gpu_verdict=verdict(rank.total, inst.gpu_memory_gib * GIB) if s.gpu else None,
+                gpu_verdict=verdict(on_gpu.total, usable) if s.gpu else None,
                 host_need=need,
                 host_capacity=inst.ram_gib * GIB,
                 host_verdict=verdict(need, inst.ram_gib * GIB),
@@ -232,6 +239,11 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     comm: dict[str, float] = field(default_factory=dict)
     """Bytes per rank per optimizer step, by mesh dim (see `communication`)."""
+    margin: float = MIN_MARGIN
+    """The share of each GPU a fitting job leaves free, and why (trainer.planner.device)."""
+    margin_why: str = ""
+    history: list[str] = field(default_factory=list)
+    """How past runs' device peaks compared with their plans (trainer.planner.history)."""
 
     @property
     def refused(self) -> bool:
@@ -269,6 +281,9 @@ class Plan:
             "refused": self.refused,
             "notes": self.notes,
             "comm_bytes_per_step": self.comm,
+            "margin": self.margin,
+            "margin_why": self.margin_why,
+            "history": self.history,
         }
 
 
@@ -285,15 +300,35 @@ def plan(
     tokens_per_s: float | None = None,
     mfu: float | None = None,
     search: bool = True,
+    calibration: Any = None,
+    history_shortfall: float | None = None,
+    history: list[str] | None = None,
 ) -> Plan:
-    rank = rank_memory(shape, s)
+    margin, why = fit_margin(s, calibration, history_shortfall)
+    pool = get_instance(instance) if instance and s.gpu else None
+    per_node = ranks_per_node or (pool.gpu_count if pool else None)
+    rank = rank_memory(shape, s, pool.gpu_model if pool else None, per_node, calibration)
     trainable = (
         shape.params if s.adapter == "none" else shape.lora_params(s.lora_r, list(s.lora_targets))
     )
     chosen = None
     if instance:
-        chosen = layout(shape, s, instance, rank0_instance, ranks_per_node, tokens_per_s, mfu)
-    cheapest = cheapest_layout(shape, s, rank0_instance, tokens_per_epoch, mfu) if search else None
+        chosen = layout(
+            shape,
+            s,
+            instance,
+            rank0_instance,
+            ranks_per_node,
+            tokens_per_s,
+            mfu,
+            calibration,
+            margin,
+        )
+    cheapest = (
+        cheapest_layout(shape, s, rank0_instance, tokens_per_epoch, mfu, calibration, margin)
+        if search
+        else None
+    )
     notes = list(rank.notes)
     if cheapest is not None and cheapest.world != s.world:
         notes.append(
@@ -312,6 +347,9 @@ def plan(
         tokens_per_epoch=tokens_per_epoch,
         notes=notes,
         comm=communication(shape, s),
+        margin=margin,
+        margin_why=why,
+        history=list(history or []),
     )
 
 
@@ -321,6 +359,8 @@ def cheapest_layout(
     rank0_instance: str | None = None,
     tokens_per_epoch: int | None = None,
     mfu: float | None = None,
+    calibration: Any = None,
+    margin: float = MIN_MARGIN,
 ) -> Layout | None:
     """The cheapest catalog layout that fits at the job's worker count; failing that, at
     the smallest power-of-two count that fits. Cost is per epoch when the epoch's tokens
@@ -332,7 +372,7 @@ def cheapest_layout(
         sw = Setup(**{**asdict(s), "world": world})
         found = []
         for t in types:
-            lay = layout(shape, sw, t.name, rank0_instance, None, None, mfu)
+            lay = layout(shape, sw, t.name, rank0_instance, None, None, mfu, calibration, margin)
             if lay.verdict != "does not fit":
                 found.append(lay)
         if found:
@@ -343,6 +383,18 @@ def cheapest_layout(
 
             return min(found, key=cost)
     return None
+
+
+def for_model(s: Setup, shape: ModelShape) -> Setup:
+    """The job's settings resolved for its model's family (trainer.model.families): the
+    attention kernel auto picks, and the LoRA targets auto picks, as the workers will."""
+    attention = shape.attention("eager" if s.eager_attention else s.attention)
+    return replace(
+        s,
+        attention=attention,
+        eager_attention=attention == "eager",
+        lora_targets=shape.lora_targets(s.lora_targets),
+    )
 
 
 def plan_job(
@@ -356,16 +408,22 @@ def plan_job(
     tokens_per_s: float | None = None,
     mfu: float | None = None,
     read_text: Any = None,
+    calibration: Any = None,
+    history_shortfall: float | None = None,
+    history: list[str] | None = None,
 ) -> Plan:
     """The plan for a validated job config (the entry point of the CLIs and submit)."""
     shape = ModelShape.from_params(params) if params else shape_for_job(cfg, read_text)
     return plan(
         shape,
-        Setup.from_config(cfg),
+        for_model(Setup.from_config(cfg), shape),
         instance=instance,
         rank0_instance=rank0_instance,
         ranks_per_node=ranks_per_node,
         tokens_per_epoch=tokens_per_epoch,
         tokens_per_s=tokens_per_s,
         mfu=mfu,
+        calibration=calibration,
+        history_shortfall=history_shortfall,
+        history=history,
     )

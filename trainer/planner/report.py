@@ -22,7 +22,8 @@ def gib(x: float) -> str:
 def format_plan(p: Plan) -> str:
     """The plan as plain text (the trainer side prints this; tools/plan.py uses rich)."""
     s, r = p.setup, p.rank
-    adapter = "" if s.adapter == "none" else f" + {s.adapter} r={s.lora_r}"
+    adapter = "" if s.adapter == "none" else f" + {s.adapter} r={s.lora_r} on "
+    adapter += ",".join(s.lora_targets) if s.adapter != "none" else ""
     offload = []
     if s.fsdp_cpu_offload:
         offload.append("cpu_offload")
@@ -36,7 +37,8 @@ def format_plan(p: Plan) -> str:
         f"model {short_count(p.params)} params ({short_count(p.trainable)} trainable), {s.strategy}"
         f"{adapter}{' ' + ', '.join(offload) if offload else ''}, {s.precision}, "
         f"{s.optimizer}, {s.world} workers, micro batch {s.micro_batch} × {s.block_size} "
-        f"tokens, activation checkpointing {'on' if s.checkpointing else 'off'}",
+        f"tokens, activation checkpointing {'on' if s.checkpointing else 'off'}, "
+        f"{s.attention} attention",
         "",
         f"per rank ({where})",
         f"  weights            {gib(r.weights):>12}",
@@ -44,8 +46,7 @@ def format_plan(p: Plan) -> str:
         f"  optimizer states   {gib(r.optimizer):>12}",
         f"  activations        {gib(r.activations):>12}   "
         f"(checkpointing off {gib(r.activations_no_ckpt)}, on {gib(r.activations_ckpt)})",
-        f"  framework overhead {gib(r.overhead):>12}",
-        f"  total              {gib(r.total):>12}",
+        *memory_sum_lines(p),
         f"host RAM per rank: process {gib(p.host.process)}, offload {gib(p.host.offload)}, "
         f"load {gib(p.host.load)}, checkpoint staging {gib(p.host.staging)}; export on "
         f"rank 0's node {gib(p.host.export)}, staging on rank 0 {gib(p.host.staging_rank0)}",
@@ -57,6 +58,9 @@ def format_plan(p: Plan) -> str:
         )
     for title, lay in (("layout", p.layout), ("cheapest layout that fits", p.cheapest)):
         if lay is None:
+            continue
+        if lay is p.cheapest and same_layout(p.layout, lay):
+            lines += ["", f"{title}: the layout above"]
             continue
         lines += ["", f"{title}: {lay.describe()}: {lay.verdict.upper()}"]
         lines.append(
@@ -103,6 +107,55 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
+def same_layout(a: Any, b: Any) -> bool:
+    """The chosen layout is also the cheapest: printed once."""
+    if a is None or b is None:
+        return False
+    return (a.describe(), a.verdict, a.usd_per_hour) == (b.describe(), b.verdict, b.usd_per_hour)
+
+
+def _g(x: float) -> str:
+    return f"{x / GIB:.1f}"
+
+
+def memory_sum_lines(p: Plan) -> list[str]:
+    """The peak and how it is made from the parts: the tensors (the transient gradients and
+    the activations do not peak together: the larger counts), then what the device holds
+    beyond them (trainer.planner.device), each named, and the fit margin."""
+    r = p.rank
+    held = r.gradients_held
+    tensors = (
+        f"= weights {_g(r.weights)} + optimizer {_g(r.optimizer)} + held gradients {_g(held)} "
+        f"+ max(gradients {_g(r.gradients - held)}, activations {_g(r.activations)})"
+    )
+    lines = [f"  tensors at peak    {gib(r.tensors):>12}   {tensors}"]
+    if not r.device:
+        lines.append(f"  process overhead   {gib(r.overhead):>12}   (torch, transformers, Ray)")
+        lines.append(
+            f"  total              {gib(r.total):>12}   = tensors {_g(r.tensors)} "
+            f"+ process {_g(r.overhead)}"
+        )
+        return lines
+    names = {
+        "cuda_context": ("CUDA context", "context"),
+        "nccl_buffers": ("NCCL buffers", "NCCL"),
+        "cublas_workspaces": ("cuBLAS workspaces", "cuBLAS"),
+        "allocator_slack": ("allocator slack", "slack"),
+    }
+    parts = [f"tensors {_g(r.tensors)}"]
+    for key, value in r.device.items():
+        label, short = names.get(key, (key, key))
+        lines.append(f"  {label:<18} {gib(value):>12}   ({r.device_why.get(key, '')})")
+        parts.append(f"{short} {_g(value)}")
+    lines.append(f"  total              {gib(r.total):>12}   = " + " + ".join(parts))
+    lines.append(
+        f"  fit margin {p.margin:.0%} ({p.margin_why}): a GPU fits when the total is at most "
+        f"{1 - p.margin:.0%} of it"
+    )
+    lines += [f"  {h}" for h in p.history]
+    return lines
+
+
 # ---------------------------------------------------------------- shared CLI arguments
 
 
@@ -122,6 +175,11 @@ def add_arguments(p: Any) -> None:
         type=float,
         help=f"assumed MFU (default {DEFAULT_MFU}, {OFFLOAD_MFU} with CPU offload)",
     )
+    p.add_argument(
+        "--calibration",
+        help="a calibration file `make gpu-check` wrote (default: "
+        "<storage.path>/_calibration/<GPU>.json when the storage path is local)",
+    )
 
 
 def plan_from_args(cfg: JobConfig, args: Any) -> Plan:
@@ -130,7 +188,13 @@ def plan_from_args(cfg: JobConfig, args: Any) -> Plan:
 
         return read(uri, cfg.storage.endpoint_override, cfg.storage.region)
 
+    from trainer.planner import calibration as calib
+
     try:
+        pool = get_instance(args.instance) if args.instance else None
+        gpu_model = pool.gpu_model if pool is not None else None
+        given = getattr(args, "calibration", None)
+        found = calib.read(given) if given else calib.find(cfg.storage.path, gpu_model)
         return plan_job(
             cfg,
             args.instance,
@@ -141,6 +205,7 @@ def plan_from_args(cfg: JobConfig, args: Any) -> Plan:
             tokens_per_s=args.tokens_per_s,
             mfu=args.mfu,
             read_text=read_text,
+            calibration=found,
         )
     except KeyError as exc:  # an instance type the catalog does not have
         raise UserError(str(exc.args[0])) from None

@@ -19,9 +19,6 @@ from trainer.model import hfconfig
 GIB = 1024**3
 
 # ---------------------------------------------------------------- stated constants
-GPU_OVERHEAD = 1.5 * GIB
-"""Per GPU rank, outside the model: CUDA context (~0.5 GiB), cuBLAS workspaces and NCCL
-buffers (~0.5 GiB), caching-allocator fragmentation (~0.5 GiB)."""
 CPU_RANK_OVERHEAD = 1.0 * GIB
 """Per CPU rank: the Python process with torch, transformers and a Ray worker loaded."""
 HOST_PER_GPU_PROCESS = 3.0 * GIB
@@ -69,6 +66,19 @@ class ModelShape:
     mlp_bias: bool = False
     params_override: int | None = None
     """An explicit parameter count (the shape is then only used for activations)."""
+    model_type: str = ""
+    """config.json's model_type: the family's layout (trainer.model.families)."""
+    norms: int = 2
+    """RMSNorms per decoder layer (Gemma 2 and 3: four, around attention and MLP)."""
+    qk_norm: bool = False
+    """Per-head RMSNorms on queries and keys (Qwen3, Gemma 3)."""
+    logit_softcap: float | None = None
+    """Final logit soft-capping (Gemma 2 and 3): a tanh over the logits, kept for backward."""
+    attn_softcap: float | None = None
+    """Attention-logit soft-capping (Gemma 2): a tanh over the scores in eager attention."""
+    sliding_window: int | None = None
+    """The sliding window of the layers that have one (memory does not depend on it with
+    sdpa and eager, which build the full score matrix either way)."""
 
     @classmethod
     def from_hf_config(cls, conf: dict[str, Any], where: str = "config.json") -> ModelShape:
@@ -78,6 +88,7 @@ class ModelShape:
         try:
             heads = int(conf["num_attention_heads"])
             model_type = str(conf.get("model_type", ""))
+            gemma = model_type.startswith("gemma2") or model_type.startswith("gemma3")
             return cls(
                 hidden=int(conf["hidden_size"]),
                 layers=int(conf["num_hidden_layers"]),
@@ -91,6 +102,12 @@ class ModelShape:
                 qkv_bias=bool(conf.get("attention_bias", model_type.startswith("qwen2"))),
                 o_bias=bool(conf.get("attention_bias", False)),
                 mlp_bias=bool(conf.get("mlp_bias", False)),
+                model_type=model_type,
+                norms=4 if gemma else 2,
+                qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3"),
+                logit_softcap=_number(conf.get("final_logit_softcapping")),
+                attn_softcap=_number(conf.get("attn_logit_softcapping")),
+                sliding_window=_window(conf),
             )
         except KeyError as exc:
             raise UserError(
@@ -118,8 +135,16 @@ class ModelShape:
         return self.kv_heads * self.hd
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each linear in one decoder layer, by its module name."""
+        """(in, out) of each linear in one decoder layer, by its module name (Phi-3 fuses
+        q/k/v into qkv_proj and gate/up into gate_up_proj)."""
         h, i = self.hidden, self.intermediate
+        if self.model_type == "phi3":
+            return {
+                "qkv_proj": (h, self.q_dim + 2 * self.kv_dim),
+                "o_proj": (self.q_dim, h),
+                "gate_up_proj": (h, 2 * i),
+                "down_proj": (i, h),
+            }
         return {
             "q_proj": (h, self.q_dim),
             "k_proj": (h, self.kv_dim),
@@ -138,7 +163,8 @@ class ModelShape:
     def layer_params(self) -> int:
         bias = (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + self.hidden * self.o_bias
         bias += (2 * self.intermediate + self.hidden) * self.mlp_bias
-        return self.layer_linear_params + bias + 2 * self.hidden  # + two RMSNorm weights
+        norms = self.norms * self.hidden + 2 * self.hd * self.qk_norm
+        return self.layer_linear_params + bias + norms
 
     @property
     def embedding_params(self) -> int:
@@ -157,9 +183,27 @@ class ModelShape:
         """What is not in a decoder layer: embeddings, final norm, lm_head."""
         return max(self.params - self.layers * self.layer_params, 0)
 
-    def lora_params(self, r: int, targets: list[str]) -> int:
+    def lora_targets(self, setting: Any) -> tuple[str, ...]:
+        """model.lora.target_modules for this model's family (auto, all-linear or a list),
+        as trainer.model.adapters resolves it; a family without a known layout is planned
+        with its linears named as Llama's."""
+        from trainer.model import families
+
+        if isinstance(setting, list | tuple) and len(setting) == 1:
+            setting = setting[0] if setting[0] in ("auto", "all-linear") else list(setting)
+        conf = {"model_type": self.model_type}
+        return families.resolve_targets(setting, conf) or tuple(self.linear_shapes())
+
+    def lora_params(self, r: int, targets: Any) -> int:
+        targets = self.lora_targets(targets)
         shapes = self.linear_shapes()
         return self.layers * sum(r * (a + b) for n, (a, b) in shapes.items() if n in targets)
+
+    def attention(self, requested: str) -> str:
+        """model.attn_implementation resolved for this family (trainer.model.families)."""
+        from trainer.model import families
+
+        return families.resolve_attention(requested, {"model_type": self.model_type})
 
 
 _REFERENCE_SHAPES = (
@@ -189,6 +233,17 @@ def shape_for_job(cfg: JobConfig, read_text: Any = None) -> ModelShape:
         # An upper bound: tokens the tokenizer already has do not grow the vocabulary.
         shape = ModelShape(**{**asdict(shape), "vocab": shape.vocab + extra})
     return shape
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and value else None
+
+
+def _window(conf: dict[str, Any]) -> int | None:
+    if conf.get("use_sliding_window") is False:  # Qwen2/3 keep the number, switched off
+        return None
+    window = conf.get("sliding_window")
+    return int(window) if isinstance(window, int) and window > 0 else None
 
 
 def _special_token_count(path: str | None) -> int:

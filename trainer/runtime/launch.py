@@ -175,7 +175,7 @@ def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
             max_preemption_failures=cfg.run.max_preemptions,
         ),
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
-        worker_runtime_env={"env_vars": _worker_env()},
+        worker_runtime_env={"env_vars": _worker_env(cfg)},
         callbacks=[
             FailureJournal(
                 cfg.storage.path, cfg.storage.endpoint_override, cfg.storage.region, cfg.run.name
@@ -295,7 +295,12 @@ def _uri(run: Any, path: str) -> str:
     return "s3://" + path if run.is_s3 else path
 
 
-def _worker_env() -> dict[str, str]:
+def _worker_env(cfg: JobConfig | None = None) -> dict[str, str]:
+    """What every Ray Train worker's environment gets from the driver's: the variables
+    below, and the GPU allocator's setting (trainer.runtime.allocator)."""
+    from trainer.runtime.allocator import allocator_env
+
+    allocator = allocator_env(cfg) if cfg is not None else {}
     keep = (
         "RAYLIFT_DEBUG",
         "RAYLIFT_MODEL_CACHE",
@@ -310,7 +315,7 @@ def _worker_env() -> dict[str, str]:
         "TORCH_EXTENSIONS_DIR",
         *faults.WORKER_ENV,
     )
-    return {k: os.environ[k] for k in keep if k in os.environ}
+    return {**{k: os.environ[k] for k in keep if k in os.environ}, **allocator}
 
 
 def launch_torchrun(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
@@ -345,6 +350,10 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
 
     torchrun = is_torchrun_env()
     rank = int(os.environ.get("RANK", 0)) if torchrun else 0
+    if torchrun:
+        from trainer.runtime.allocator import apply
+
+        apply(cfg)  # this process is the worker: before anything starts CUDA
     report = preflight.run_all(cfg, strict=True)
     for note in report.notes:
         log.info("preflight: %s", note)
