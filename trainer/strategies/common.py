@@ -4,6 +4,7 @@ loss scaler (or its no-op stand-in), and clipping that also works on sharded gra
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -89,6 +90,16 @@ class ModelCalls:
     schedule runs forward and backward together, and only its last stage has logits."""
 
     model: torch.nn.Module
+    cfg: JobConfig
+
+    @functools.cached_property
+    def objective(self) -> Any:
+        """What a batch is and how its loss is made (trainer.objectives: sft, dpo, ...);
+        `train_micro` runs its loss where it ran the model's own, under this strategy's
+        precision and backward. The loop reads batches through it too."""
+        from trainer.objectives import build_objective
+
+        return build_objective(self.cfg)
 
     def param_count(self) -> int:
         """A sharded parameter counts whole: an FSDP2/TP DTensor's numel is its global
@@ -104,12 +115,13 @@ class ModelCalls:
     def train_micro(
         self, x: torch.Tensor, y: torch.Tensor, num_items: Any, **attention: Any
     ) -> torch.Tensor:
-        """Forward and backward of one micro batch; its loss (a token sum over
-        `num_items`), detached. Only the loss is kept: holding the output would keep its
-        logits (a vocab-sized row per token) alive through the backward pass. `attention`
-        is trainer.data.packing's (a block-causal mask and restarted positions), or nothing."""
+        """Forward and backward of one micro batch; its loss (the objective's: for SFT a
+        token sum over `num_items`), detached. Only the loss is kept: holding the output
+        would keep its logits (a vocab-sized row per token) alive through the backward
+        pass. `attention` is the objective's inputs (for SFT trainer.data.packing's
+        block-causal mask and restarted positions, or nothing)."""
         with self.precision():
-            loss = self.model(input_ids=x, labels=y, num_items_in_batch=num_items, **attention).loss
+            loss = self.objective.loss(self.model, x, y, num_items, **attention)
         self.backward(loss)
         return loss.detach()
 

@@ -1,0 +1,246 @@
+"""Preference pairs through the token cache: one block per sequence, chosen beside rejected.
+
+A pair is tokenized once, like SFT rows (`trainer.data.tokenize.prepare`, the same source
+listing, S3 reads and cache folder), by this module's engine: the prompt, then each
+completion, each padded to exactly `data.block_size` tokens, so block 2i is pair i's
+chosen sequence and block 2i+1 its rejected one. Pairs are never packed: a padded row
+costs the padding, and no pair can attend to another. Only completion tokens (and the EOS
+that ends them) are targets.
+
+Too long a pair is cut the same way on both sides, so chosen and rejected keep one prompt:
+the prompt loses tokens from the left (its end, next to the answer, matters most) down to
+`train.preference.max_prompt_tokens` (half a block by default), then both completions are
+cut on the right to fit. The count of cut pairs is reported.
+
+Training samples pairs, not blocks: `BatchPlan` runs over pair indices, so a micro batch
+is `micro_batch_size` whole pairs, laid out as TRL does, every chosen row first, then the
+rejected rows in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainer.config import JobConfig
+from trainer.data.blocks import BatchPlan, PackedBlocks, StepBatches
+from trainer.data.sources import ScanReport, SourceFile
+from trainer.data.tokenize import Settings, ShardStats, TokenCache, token_dtype
+from trainer.errors import DataError, UserError
+from trainer.objectives.rows import Pair, iter_pairs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PairSettings(Settings):
+    """Settings of a pair cache: what changes its tokens besides the rows and tokenizer."""
+
+    max_prompt_tokens: int = 512
+
+    def key(self) -> str:
+        return f"pairs|block={self.block_size}|prompt={self.max_prompt_tokens}|" + super().key()
+
+
+def pair_settings(cfg: JobConfig, base: Settings) -> PairSettings:
+    block = cfg.data.block_size
+    keep = cfg.train.preference.max_prompt_tokens or block // 2
+    return PairSettings(
+        **dataclasses.asdict(base) | {"block_size": block},
+        max_prompt_tokens=max(1, min(keep, block - 1)),
+    )
+
+
+def cut_pair(
+    prompt: list[int], chosen: list[int], rejected: list[int], block: int, max_prompt: int
+) -> tuple[list[int], list[int], list[int], bool]:
+    """(prompt, chosen, rejected) cut together to fit one block each; True if cut."""
+    longest = max(len(chosen), len(rejected))
+    if len(prompt) + longest <= block:
+        return prompt, chosen, rejected, False
+    keep = min(len(prompt), max(max_prompt, block - longest))
+    prompt = prompt[len(prompt) - keep :]
+    room = block - len(prompt)
+    return prompt, chosen[:room], rejected[:room], True
+
+
+class PairEncoder:
+    """Pair → (prompt ids, chosen ids, rejected ids). Plain text: the prompt with the
+    tokenizer's special tokens (BOS), each completion without, then EOS. Chat: the prompt
+    rendered with the generation prompt, each completion the rest of the conversation it
+    closes (the template must render the prompt as a prefix of the whole)."""
+
+    def __init__(self, tokenizer: Any, settings: Settings):
+        self.tok = tokenizer
+        self.eos = tokenizer.eos_token_id if settings.append_eos else None
+        self.template = settings.chat_template or getattr(tokenizer, "chat_template", None)
+
+    def encode(self, pair: Pair) -> tuple[list[int], list[int], list[int]]:
+        if not pair.chat:
+            prompt = self.tok.encode(pair.prompt, add_special_tokens=True)
+            texts = [pair.chosen, pair.rejected]
+        else:
+            head = self._apply(pair.prompt, True)
+            texts = []
+            for side in (pair.chosen, pair.rejected):
+                full = self._apply(pair.prompt + side, False)
+                if not full.startswith(head):
+                    raise UserError(
+                        "the chat template does not render the prompt as a prefix of the "
+                        "conversation; set data.chat_template to one that does"
+                    )
+                texts.append(full[len(head) :])
+            prompt = self.tok.encode(head, add_special_tokens=False)
+        chosen, rejected = (self._eos(self.tok.encode(t, add_special_tokens=False)) for t in texts)
+        return prompt, chosen, rejected
+
+    def _eos(self, ids: list[int]) -> list[int]:
+        if self.eos is not None and (not ids or ids[-1] != self.eos):
+            return [*ids, self.eos]
+        return ids
+
+    def _apply(self, msgs: Any, gen: bool) -> str:
+        if not self.template:
+            raise UserError(
+                "chat rows need a chat template: the tokenizer has none; set data.chat_template"
+            )
+        return self.tok.apply_chat_template(
+            [{"role": r, "content": c} for r, c in msgs],
+            chat_template=self.template,
+            tokenize=False,
+            add_generation_prompt=gen,
+        )
+
+
+def _pad_id(tokenizer: Any) -> int:
+    for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def tokenize_pairs(
+    sources: list[SourceFile], folder: Path, tokenizer: Any, settings: Settings, progress: bool
+) -> list[ShardStats]:
+    """The pair engine for `trainer.data.tokenize.prepare`: one shard per input file, each
+    sequence one block (`.bin` ids, `.mask` targets, `.docs` the block ends)."""
+    assert isinstance(settings, PairSettings)
+    enc = PairEncoder(tokenizer, settings)
+    dtype, block, pad = token_dtype(tokenizer), settings.block_size, _pad_id(tokenizer)
+    out = []
+    for i, src in enumerate(sources):
+        stem = f"shard-{i:05d}"
+        stats = ShardStats(file=stem, source=src.uri, masked=True)
+        report = ScanReport()
+        ids_rows: list[np.ndarray] = []
+        mask_rows: list[np.ndarray] = []
+        for pair in iter_pairs(
+            src, settings.on_bad_line, report, settings.endpoint, settings.region
+        ):
+            prompt, chosen, rejected, cut = cut_pair(
+                *enc.encode(pair), block, settings.max_prompt_tokens
+            )
+            stats.long_rows += cut
+            for completion in (chosen, rejected):
+                ids = np.full(block, pad, dtype=dtype)
+                mask = np.zeros(block, dtype=np.uint8)
+                ids[: len(prompt)] = prompt
+                ids[len(prompt) : len(prompt) + len(completion)] = completion
+                mask[len(prompt) : len(prompt) + len(completion)] = 1
+                ids_rows.append(ids)
+                mask_rows.append(mask)
+        n = len(ids_rows)
+        (folder / f"{stem}.bin").write_bytes(
+            np.asarray(ids_rows, dtype=dtype).tobytes() if n else b""
+        )
+        (folder / f"{stem}.mask").write_bytes(np.asarray(mask_rows).tobytes() if n else b"")
+        ends = np.arange(1, n + 1, dtype=np.int64) * block
+        (folder / f"{stem}.docs").write_bytes(ends.tobytes())
+        stats.tokens = n * block
+        stats.documents, stats.skipped = report.documents, report.skipped
+        stats.first_skipped = report.first_skipped
+        out.append(stats)
+    return out
+
+
+# ---------------------------------------------------------------- reading pairs
+
+
+class PairBlocks:
+    """Pairs out of a pair cache: `gather(pairs)` is (input ids, labels, reference
+    log-probs), 2 × len(pairs) rows, chosen rows first. The reference column is NaN until
+    `trainer.objectives.reference` fills it."""
+
+    def __init__(self, cache: TokenCache, block_size: int):
+        self.blocks = PackedBlocks(cache, block_size)
+        self.cache = cache
+        if len(self.blocks) % 2:
+            raise DataError(f"{cache.dir}: not a pair cache (an odd number of blocks)")
+        self.reference = np.full(len(self.blocks), np.nan)
+
+    def __len__(self) -> int:
+        return len(self.blocks) // 2
+
+    def rows(self, pairs: np.ndarray) -> np.ndarray:
+        pairs = np.asarray(pairs, dtype=np.int64)
+        return np.concatenate([2 * pairs, 2 * pairs + 1])
+
+    def gather(self, pairs: np.ndarray) -> tuple[np.ndarray, ...]:
+        rows = self.rows(pairs)
+        ids, labels = self.blocks.gather(rows)
+        return ids, labels, self.reference[rows]
+
+
+@dataclass
+class PairFeed:
+    """The loop's feed (see trainer.data.feed.TrainFeed) over pairs."""
+
+    batches: StepBatches
+    plan: BatchPlan
+    first: PairBlocks
+    block_size: int
+    attention: str = "causal"
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.plan.steps_per_epoch
+
+    @property
+    def global_batch(self) -> int:
+        return self.plan.global_batch
+
+    def micro_batches(self, step: int) -> list[tuple[np.ndarray, ...]]:
+        return self.batches.micro_batches(step)
+
+    def source_tokens(self, done: int) -> dict[str, int]:
+        return {}
+
+
+def open_pair_feed(cfg: JobConfig, train: list[str], rank: int, world: int) -> PairFeed:
+    pairs = PairBlocks(TokenCache(Path(train[0])), cfg.data.block_size)
+    replica, replicas = cfg.data_rank(rank, world)
+    plan = BatchPlan(
+        len(pairs), cfg.train.micro_batch_size, cfg.grad_accum_for(world), replicas, cfg.train.seed
+    )
+    if plan.steps_per_epoch < 1:
+        raise UserError(
+            f"{cfg.data.train_file}: {len(pairs)} pairs are fewer than one global batch "
+            f"({plan.global_batch} pairs)"
+        )
+    return PairFeed(StepBatches(pairs, plan, replica), plan, pairs, cfg.data.block_size)  # type: ignore[arg-type]
+
+
+def data_options(cfg: JobConfig, settings: Settings) -> dict[str, Callable[..., Any] | Settings]:
+    """What `prepare` takes to build a pair cache instead of a token stream."""
+    return {"settings": pair_settings(cfg, settings), "tokenize_shards": tokenize_pairs}
+
+
+def fingerprint(*parts: str) -> str:
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
