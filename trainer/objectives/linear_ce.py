@@ -313,6 +313,31 @@ def install(model: Any, chunk: int = DEFAULT_CHUNK, fused: bool = True) -> bool:
     return True
 
 
+def configure(model: Any, loss: str, chunk: int = DEFAULT_CHUNK, split: bool = False) -> bool:
+    """`train.loss` on a freshly built causal LM: whether the chunked loss is now its own.
+    `split`: the model is cut into pipeline stages or split over tp, where the last
+    stage's loss runs outside the model, so the plain loss stays."""
+    from trainer.errors import UserError
+
+    if loss == "plain":
+        return False
+    if split:
+        if loss == "chunked":
+            raise UserError(
+                "train.loss chunked: not available with strategy pp or tp above 1 (the "
+                "pipeline's loss runs outside the model); use auto or plain"
+            )
+        return False
+    if install(model, chunk):
+        return True
+    if loss == "chunked":
+        raise UserError(
+            f"train.loss chunked: {type(model).__name__} is not a causal LM the chunked "
+            f"loss was checked against ({', '.join(sorted(CAUSAL_LMS))}); use auto or plain"
+        )
+    return False
+
+
 def _forward(
     self: Any,
     input_ids: torch.Tensor | None = None,
@@ -371,6 +396,7 @@ __all__ = [
     "DEFAULT_CHUNK",
     "LinearCEHead",
     "chunked_linear_cross_entropy",
+    "configure",
     "install",
     "linear_cross_entropy",
 ]
