@@ -1,0 +1,49 @@
+"""The device-level peak per phase (issue 47), on CPU through its stand-in, the process's
+resident set: a phase that holds a large buffer records it, one that does not does not,
+and the record names every phase measured."""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.observability.device_memory import PHASES, DeviceMemory
+
+MIB = 2**20
+
+
+def test_each_phase_records_its_own_peak_on_cpu():
+    dm = DeviceMemory("cpu", interval_s=0.005)
+    assert not dm.cuda
+    with dm.phase("load"):
+        pass
+    base = dm.peaks["load"]["device_peak"]
+    with dm.phase("first_step"):
+        big = torch.ones(256 * MIB // 4)  # 256 MiB touched
+        del big
+    with dm.phase("steady_step"):
+        small = torch.ones(MIB // 4)
+        del small
+    first, steady = dm.peaks["first_step"]["device_peak"], dm.peaks["steady_step"]["device_peak"]
+    assert first - base > 200 * MIB  # the freed buffer still counts: a peak, not the end
+    assert steady < first - 200 * MIB  # the counter restarted at the phase's start
+    rec = dm.record(rank=3)
+    assert rec["rank"] == 3 and rec["dev_kind"] == "rss"
+    assert rec["dev_peak_gib"] == first / 2**30
+    assert {k for k in rec if k.startswith("dev_") and k.endswith("_gib")} == {
+        "dev_load_gib",
+        "dev_first_step_gib",
+        "dev_steady_step_gib",
+        "dev_peak_gib",
+    }
+    assert set(dm.peaks) <= set(PHASES)
+
+
+def test_a_phase_keeps_its_largest_run():
+    dm = DeviceMemory("cpu", interval_s=0.005)
+    with dm.phase("eval"):
+        big = torch.ones(128 * MIB // 4)
+        del big
+    once = dm.peaks["eval"]["device_peak"]
+    with dm.phase("eval"):
+        pass
+    assert dm.peaks["eval"]["device_peak"] == once
