@@ -40,6 +40,7 @@ from trainer.data import packing
 from trainer.data.blocks import PackedBlocks, eval_indices
 from trainer.data.feed import TrainFeed, open_eval_sets, open_feed
 from trainer.data.tokenize import IGNORE
+from trainer.model import attention
 from trainer.model.loading import (
     check_device,
     load_tokenizer,
@@ -191,7 +192,8 @@ def _attention(segs: list[np.ndarray], cfg: JobConfig, device: torch.device) -> 
     if not segs:
         return {}
     seg = torch.from_numpy(segs[0]).to(device, non_blocking=True)
-    return packing.attention_inputs(seg, cfg.model.attn_implementation)
+    attn = attention.for_job(cfg)
+    return packing.attention_inputs(seg, attn.impl, **attn.mask_kwargs())
 
 
 def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
@@ -391,7 +393,7 @@ def _start_attempt(
     if rt.rank == 0:
         log.info(
             "training %s: %d params, steps %d→%d of %d, global batch %d × %d tokens, "
-            "%d workers, strategy %s, adapter %s, %s attention",
+            "%d workers, strategy %s, adapter %s, %s attention (%s)",
             cfg.run.name,
             n_params,
             start,
@@ -403,6 +405,7 @@ def _start_attempt(
             strategy.name,
             cfg.model.adapter,
             feed.attention,
+            attention.for_job(cfg).impl,
         )
     peak = peak_flops(
         torch.cuda.get_device_name(device) if device.type == "cuda" else None, cfg.train.precision

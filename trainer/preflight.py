@@ -67,6 +67,16 @@ def check_model(cfg: JobConfig, strict: bool, report: Report) -> None:
         report.params = ModelShape.from_hf_config(mcfg, src).params
     except Exception:  # an architecture the planner does not model
         report.params = None
+    from trainer.model import families
+
+    report.notes += families.check(
+        mconf=mcfg,
+        where=src,
+        attention=cfg.model.attn_implementation,
+        adapter=cfg.model.adapter,
+        targets=cfg.model.lora.target_modules,
+        pp=getattr(cfg.strategy, "pp", 1),
+    )
     if cfg.model_parallel > 1:
         from trainer.parallel.layout import check_model_layout
 

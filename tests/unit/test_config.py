@@ -78,7 +78,7 @@ def test_contradicting_grad_accum(tmp_path):
     [
         (["train.precision=bf16"], "train.precision: bf16 needs GPUs"),
         (["scaling.backend=nccl"], "scaling.backend: nccl needs"),
-        (["model.attn_implementation=flash_attention_2"], "Input should be 'sdpa' or 'eager'"),
+        (["model.attn_implementation=flash_attention_2"], "should be 'auto', 'sdpa' or 'eager'"),
         (["strategy.name=zero9"], "strategy.name: 'zero9' is not available"),
         (["train.strategy=fsdp"], "train.strategy moved to its own section"),
         (
@@ -149,7 +149,7 @@ def test_strategy_sections_are_typed(tmp_path):
     assert cfg.strategy.name == "fsdp" and cfg.strategy.cpu_offload is True
     assert load_config(write(tmp_path, GOOD)).strategy.name == "ddp"
     cfg = load_config(write(tmp_path, GOOD), ["model.adapter=qlora", "optim.name=adamw8bit"])
-    assert cfg.model.adapter == "qlora" and cfg.model.lora.target_modules[0] == "q_proj"
+    assert cfg.model.adapter == "qlora" and cfg.model.lora.target_modules == "auto"
     again = load_config(write(tmp_path, cfg.to_yaml()))
     assert again == cfg
 

@@ -14,8 +14,13 @@ the memory-efficient one.
 
 flash_attention_2 (varlen over document boundaries) and flex attention's block mask take
 the boundaries without a dense mask; neither is offered by this build (the images carry
-no flash-attn, and `model.attn_implementation` allows sdpa and eager), so nothing here
+no flash-attn, and `model.attn_implementation` resolves to sdpa or eager), so nothing here
 can fall back to ignoring the mask.
+
+A model with sliding-window attention keeps its window under document attention: a 4D
+mask reaches the kernel as is, so the window is cut into it here (Mistral, Phi-3), and
+a model with layers of both kinds (Gemma 2 and 3, Qwen2/3 with `layer_types`) gets one
+mask per layer type, the mapping transformers' models take in place of a mask.
 """
 
 from __future__ import annotations
@@ -48,12 +53,17 @@ def position_ids(segs: torch.Tensor) -> torch.Tensor:
     return idx - first
 
 
-def block_causal_mask(segs: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tensor:
-    """`[batch, 1, L, L]`: query i may attend to key j when j ≤ i in the same document."""
+def block_causal_mask(
+    segs: torch.Tensor, impl: str, dtype: torch.dtype, window: int | None = None
+) -> torch.Tensor:
+    """`[batch, 1, L, L]`: query i may attend to key j when j ≤ i in the same document
+    (and, with a sliding `window`, i - j < window, as transformers' own window mask)."""
     if impl not in SUPPORTED_IMPLS:
         raise ValueError(f"document attention needs sdpa or eager attention, not {impl}")
     length = segs.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=segs.device).tril()
+    if window is not None and window < length:
+        causal = causal.triu(-(window - 1))
     allowed = (segs[:, :, None] == segs[:, None, :]) & causal
     allowed = allowed[:, None]
     if impl == "sdpa":
@@ -63,16 +73,26 @@ def block_causal_mask(segs: torch.Tensor, impl: str, dtype: torch.dtype) -> torc
 
 
 def attention_inputs(
-    segs: torch.Tensor | None, impl: str, dtype: torch.dtype = torch.float32
+    segs: torch.Tensor | None,
+    impl: str,
+    dtype: torch.dtype = torch.float32,
+    window: int | None = None,
+    per_layer_type: bool = False,
 ) -> dict[str, Any]:
     """The model's keyword arguments for a batch: nothing for causal attention (segs
-    None), else the block-causal mask and restarted positions."""
+    None), else the block-causal mask and restarted positions. `window`: the model's
+    sliding window; `per_layer_type`: it has full and sliding layers, and takes a mask
+    for each (trainer.model.attention says which)."""
     if segs is None:
         return {}
-    return {
-        "attention_mask": block_causal_mask(segs, impl, dtype),
-        "position_ids": position_ids(segs),
-    }
+    if per_layer_type:
+        mask: Any = {
+            "full_attention": block_causal_mask(segs, impl, dtype),
+            "sliding_attention": block_causal_mask(segs, impl, dtype, window),
+        }
+    else:
+        mask = block_causal_mask(segs, impl, dtype, window)
+    return {"attention_mask": mask, "position_ids": position_ids(segs)}
 
 
 def mask_bytes(micro_batch_size: int, block_size: int, impl: str) -> int:

@@ -99,18 +99,12 @@ def apply(model: Any, cfg: JobConfig, grew_vocab: bool, kbit: bool | None = None
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
     lo = cfg.model.lora
-    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-    missing = [t for t in lo.target_modules if t not in names]
-    if missing:
-        raise UserError(
-            f"model.lora.target_modules: {missing} are not modules of this model "
-            f"(it has e.g. {sorted(n for n in names if n.endswith('proj'))[:8]})"
-        )
+    targets = target_modules(model, lo.target_modules)
     peft_cfg = LoraConfig(
         r=lo.r,
         lora_alpha=lo.alpha,
         lora_dropout=lo.dropout,
-        target_modules=list(lo.target_modules),
+        target_modules=targets,
         modules_to_save=embedding_names(model) if grew_vocab else None,
         task_type="CAUSAL_LM",
     )
@@ -122,6 +116,38 @@ def apply(model: Any, cfg: JobConfig, grew_vocab: bool, kbit: bool | None = None
             if is_adapter_weight(name) and p.device.type != "meta":
                 p.copy_(initial_value(name, tuple(p.shape), cfg.train.seed).to(p.dtype))
     return model
+
+
+def block_linears(model: Any) -> list[str]:
+    """The short names of every linear layer inside the decoder layers (the attention and
+    MLP blocks; not the embeddings or lm_head), in the model's order."""
+    out: list[str] = []
+    for name, m in model.named_modules():
+        short = name.rsplit(".", 1)[-1]
+        if ".layers." in name and type(m).__name__.startswith("Linear") and short not in out:
+            out.append(short)
+    return out
+
+
+def target_modules(model: Any, setting: Any) -> list[str]:
+    """The modules that get adapters: model.lora.target_modules resolved for this model's
+    family (trainer.model.families: peft's default, else every linear of the attention
+    and MLP blocks), or the explicit list, checked against the model's modules."""
+    from trainer.model import families
+
+    conf = model.config.to_dict()
+    targets = families.resolve_targets(setting, conf)
+    if targets is None:
+        targets = tuple(block_linears(model))
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [t for t in targets if t not in names]
+    if missing:
+        raise UserError(
+            f"model.lora.target_modules: {missing} are not modules of this model "
+            f"(it has e.g. {sorted(n for n in names if n.endswith('proj'))[:8]}); "
+            "model.lora.target_modules: auto picks this family's"
+        )
+    return list(targets)
 
 
 def one_trainable_dtype(model: torch.nn.Module, dtype: torch.dtype) -> int:

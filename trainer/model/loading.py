@@ -148,7 +148,10 @@ def load_model(
     with rows every strategy agrees on."""
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": cfg.model.attn_implementation}
+    from trainer.model import attention
+
+    impl = attention.for_job(cfg, model_dir).impl
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": impl}
     if quantization is not None:
         kwargs["quantization_config"] = quantization
     try:

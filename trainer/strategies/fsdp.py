@@ -40,7 +40,7 @@ import torch.distributed as dist
 from trainer.checkpoint import staging
 from trainer.config import FSDPOptions, JobConfig
 from trainer.errors import CheckpointError, UserError
-from trainer.model import adapters, nf4
+from trainer.model import adapters, attention, nf4
 from trainer.model.loading import full_state_dict, model_config
 from trainer.strategies.base import ModelSource
 from trainer.strategies.common import (
@@ -131,7 +131,9 @@ class FSDPStrategy(ModelCalls):
         cfg = self.cfg
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(
-                conf, attn_implementation=cfg.model.attn_implementation, dtype=torch.float32
+                conf,
+                attn_implementation=attention.for_job(cfg, source.model_dir).impl,
+                dtype=torch.float32,
             )
         if cfg.model.gradient_checkpointing or self.opts.activation_checkpointing:
             model.gradient_checkpointing_enable(
