@@ -117,10 +117,16 @@ def check_nf4_shards(cfg: JobConfig, mcfg: dict, src: str) -> None:
                 )
 
 
-def check_data_file(path: str, what: str, strict: bool, on_bad_line: str, report: Report) -> None:
+def check_data_file(
+    path: str, what: str, strict: bool, on_bad_line: str, report: Report, objective: str = "sft"
+) -> None:
     """Existence, and the first rows' shape, so a wrong file fails in a second. Every row
-    of every file is checked when the data is tokenized, still before workers start."""
+    of every file is checked when the data is tokenized, still before workers start.
+    A preference objective's rows are prompt/chosen/rejected pairs."""
     from trainer.data.sources import list_local, sample_check
+
+    if objective != "sft":
+        from trainer.objectives.rows import sample_check
 
     if not strict and not path.startswith("s3://"):
         try:
@@ -195,7 +201,9 @@ def run_all(cfg: JobConfig, strict: bool = True) -> Report:
         for src in cfg.data.sources(which):
             value = cfg.data.train_file if which == "train" else cfg.data.eval_file
             what = f"data.{which}_file" + (f" ({src.name})" if isinstance(value, list) else "")
-            check_data_file(src.path, what, strict, cfg.data.on_bad_line, report)
+            check_data_file(
+                src.path, what, strict, cfg.data.on_bad_line, report, cfg.train.objective
+            )
     check_strategy(cfg, strict, report)
     check_storage(cfg, report)
     check_tracking(cfg, strict, report)
@@ -254,12 +262,12 @@ def check_strategy(cfg: JobConfig, strict: bool, report: Report) -> None:
     too: what the workers would build, refused before any of them starts."""
     if cfg.strategy.name != "deepspeed":
         return
-    if cfg.checkpoint.memory_every:
+    if cfg.checkpoint.memory_every not in (0, "auto"):  # auto: off with DeepSpeed
         raise ConfigError(
             "checkpoint.memory_every: the RAM tier does not cover DeepSpeed yet (its engine "
             "writes its state only through save_checkpoint to a folder, a full second "
-            "checkpoint every snapshot); set checkpoint.memory_every: 0, or use strategy ddp "
-            "or fsdp"
+            "checkpoint every snapshot); set checkpoint.memory_every: 0 or auto, or use "
+            "strategy ddp or fsdp"
         )
     from trainer.strategies.deepspeed import config as dsconfig
 

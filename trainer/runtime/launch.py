@@ -41,6 +41,10 @@ def prepare_inputs(cfg: JobConfig, progress: bool = True) -> Prepared:
         from trainer.data.cluster import tokenize_on_cluster
 
         common["tokenize_shards"] = tokenize_on_cluster
+    if cfg.train.objective != "sft":  # preference pairs: one block per sequence
+        from trainer.objectives.pairs import data_options
+
+        common.update(data_options(cfg, settings))
     # One cache per source, keyed by that source's own inputs: adding a source to a mix
     # does not tokenize the others again.
     train = [prepare(src.path, tokenizer, **common) for src in cfg.data.sources("train")]
@@ -152,10 +156,12 @@ def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
     from trainer.loop import ray_worker
 
     _connect_ray()
+    from trainer.checkpoint import memory
     from trainer.resilience.callbacks import FailureJournal
     from trainer.storage.retry import retrying
 
     run = run_location(cfg)
+    cfg = memory.resolve_auto(cfg)  # the RAM tier's auto: on where the keepers fit
     resources = dict(cfg.scaling.resources_per_worker or {})
     scaling = ScalingConfig(
         num_workers=cfg.scaling.num_workers,
@@ -231,12 +237,13 @@ def _keepers(cfg: JobConfig, run_uri: str) -> Iterator[None]:
     started (or an earlier driver's reused) before the workers, ended however the run
     ends: finished, failed, or stopped (`raylift stop` sends the driver SIGTERM, then
     SIGKILL 3 s later: the handler ends the keepers at once, before fit() unwinds)."""
-    if not cfg.checkpoint.memory_every:
+    from trainer.checkpoint import memory
+    from trainer.checkpoint.cadence import memory_tier_on
+
+    if not memory_tier_on(cfg, ray_train=True):
         yield
         return
     import signal
-
-    from trainer.checkpoint import memory
 
     ns = memory.namespace(run_uri, cfg.run.name)
 
@@ -247,7 +254,8 @@ def _keepers(cfg: JobConfig, run_uri: str) -> Iterator[None]:
 
     previous = signal.signal(signal.SIGTERM, stopped)
     try:
-        memory.start_keepers(ns)
+        if cfg.checkpoint.memory_every != "auto":  # auto: they start at the first snapshot
+            memory.start_keepers(ns)
         yield
     finally:
         memory.end_keepers(ns)
