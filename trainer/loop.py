@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from trainer.checkpoint import cadence as cadence_mod
 from trainer.checkpoint import manager as ckpt_mod
 from trainer.checkpoint.manager import (
     CheckpointManager,
@@ -38,7 +39,7 @@ from trainer.checkpoint.upload import upload_dir
 from trainer.config import JobConfig
 from trainer.data import packing
 from trainer.data.blocks import PackedBlocks, eval_indices
-from trainer.data.feed import TrainFeed, open_eval_sets, open_feed
+from trainer.data.feed import TrainFeed, open_eval_sets
 from trainer.data.tokenize import IGNORE
 from trainer.model import attention
 from trainer.model.loading import (
@@ -125,7 +126,11 @@ def _target_count(labels: Any) -> int:
 
 
 def _targets_per_rank(
-    micro: list[tuple[Any, ...]], device: torch.device, world: int, flags: list[float]
+    micro: list[tuple[Any, ...]],
+    device: torch.device,
+    world: int,
+    flags: list[float],
+    count: Any = None,
 ) -> tuple[torch.Tensor, list[float]]:
     """The loss divisor that makes a step's loss the mean over every target token of the
     global batch (all micro-batches, all ranks): each micro-batch's loss is its token sum
@@ -133,8 +138,10 @@ def _targets_per_rank(
     the micro-batches hold different numbers of targets, so a mean of per-batch means
     would weigh tokens unequally, and a batch of prompt tokens only would be NaN; a
     global batch with no target at all trains nothing (loss 0). The same all-reduce
-    carries `flags` (summed over ranks), so a per-step decision costs no collective."""
-    local = sum(_target_count(batch[1]) for batch in micro)
+    carries `flags` (summed over ranks), so a per-step decision costs no collective.
+    `count` is the objective's (target tokens for SFT, pairs for a preference loss)."""
+    count = count or (lambda batch: _target_count(batch[1]))
+    local = sum(count(batch) for batch in micro)
     total, *agreed = _all_reduce_sum([float(local), *flags], device, world)
     return torch.tensor(max(total, 1.0) / world, device=device), agreed
 
@@ -207,7 +214,9 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     tokenizer = load_tokenizer(local_tokenizer_dir(cfg), cfg.model.special_tokens)
     strategy = build_strategy(cfg, device, rt.rank, rt.world_size)
     strategy.setup(ModelSource(local_model_dir(cfg), len(tokenizer)))
-    feed = open_feed(cfg, prep.train_caches, prep.eval_caches, rt.rank, rt.world_size)
+    objective = strategy.objective  # what a batch is and how its loss is made
+    feed = objective.open_feed(prep.train_caches, prep.eval_caches, rt.rank, rt.world_size)
+    objective.before_training(strategy, feed, rt)  # a precomputed reference, if one is due
     steps = total_steps(cfg, feed.steps_per_epoch)
     end = steps if cfg.train.stop_at_step is None else min(steps, cfg.train.stop_at_step)
     scheduler = build_scheduler(cfg, strategy.optimizer, steps)
@@ -227,7 +236,9 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         with stats.phase("data"):
             micro = feed.micro_batches(step)
             flags = [preemption.ask(), *memory.ask()]
-            per_rank, (asked, *snapped) = _targets_per_rank(micro, device, rt.world_size, flags)
+            per_rank, (asked, *snapped) = _targets_per_rank(
+                micro, device, rt.world_size, flags, objective.count
+            )
         with stats.phase("fwd_bwd"):
             loss = _forward_backward(strategy, micro, per_rank, cfg, device)
         with stats.phase("optim"):
@@ -241,16 +252,17 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
 
         is_last = done == end
         preemption.check(asked, done)
-        memory.agreed(snapped)
-        memory.after_step(done, is_last)
+        memory.agreed(snapped)  # the RAM tier's flags and the cadence's proposals
         emergency = preemption.emergency(is_last)
         save = manager.due(done, end) or emergency
         export = manager.export_due(done, end, final=end == steps)
         if not report.due(done, is_last, save) and not export:
+            memory.after_step(done, is_last)  # a snapshot comes after the step's record
             continue
 
         def extra(done: int = done, is_last: bool = is_last) -> dict[str, Any]:
             out = feed.source_tokens(done)
+            out.update(objective.metrics(report.all_reduce))  # collective
             if evaluation.due(done, is_last):
                 with stats.phase("eval"):
                     out.update(evaluation.run())
@@ -258,9 +270,11 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
             return out
 
         metrics = report.report(step, float(loss), lr, grad_norm, started, ts.tokens_seen, extra)
+        stats.device_phases.publishing(save, export)  # their device peak is their own
         stalled = time.perf_counter()  # export, checkpoint and report: the checkpoint stall
         saving = publish.after_step(step, metrics, export, save, emergency, is_last)
         stats.timer.add("ckpt", time.perf_counter() - stalled)
+        memory.after_step(done, is_last)  # after the record: a restore never skips it
         faults.kill_after_step(
             rt.rank, rt.world_size, done, report.first_attempt, report.flush, rt.barrier
         )
@@ -280,12 +294,12 @@ def _forward_backward(
     cfg: JobConfig,
     device: torch.device,
 ) -> torch.Tensor:
-    """Every micro batch of the step, gradients accumulated; the summed loss."""
+    """Every micro batch of the step, gradients accumulated; the summed loss. The
+    objective reads each batch (packed documents' segments become `_attention`'s mask)."""
     loss_acc = torch.zeros((), device=device)
-    for m, (ids, labels, *segs) in enumerate(micro):
-        x = torch.from_numpy(ids).to(device, non_blocking=True)
-        y = torch.from_numpy(labels).to(device, non_blocking=True)
-        extra = _attention(segs, cfg, device)
+    attend = functools.partial(_attention, cfg=cfg, device=device)
+    for m, batch in enumerate(micro):
+        x, y, extra = strategy.objective.inputs(batch, device, attend)
         with strategy.accumulating(m == len(micro) - 1):
             loss_acc += strategy.train_micro(x, y, per_rank, **extra)
     return loss_acc
@@ -338,6 +352,7 @@ def _checkpoint_manager(
         every=cfg.checkpoint.every_steps,
         export_every=cfg.checkpoint.export_every,
         enabled=not cfg.train.as_test,
+        cadence=cadence_mod.for_job(cfg, rt),  # the intervals `auto` chooses
     )
 
 
@@ -356,11 +371,13 @@ def _start_attempt(
     newest complete checkpoint (torn ones after it are discarded), open this attempt's
     metrics file, journal and trackers, and say what this attempt will train."""
     device = memory.device
+    restoring = time.monotonic()
     restored = memory.restore()
     resume_dir = None if restored else rt.latest_checkpoint()
     if resume_dir is not None:
         manager.restore(resume_dir)
         restored = ("storage", ts.step)
+    restore_s = time.monotonic() - restoring if restored else 0.0
     start = ts.step
     if rt.rank == 0 and manager.enabled:
         ckpt_mod.discard_torn_after(rt.run, start)
@@ -372,13 +389,20 @@ def _start_attempt(
     metrics_file, history = _open_metrics(cfg, rt, start, where)
     if metrics_file is not None:
         _journal_attempt(
-            rt, metrics_file.attempt, history, start, restored and restored[0], memory.newest_held
+            rt,
+            metrics_file.attempt,
+            history,
+            start,
+            restored and restored[0],
+            memory.newest_held,
+            restore_s,
         )
     # Watching the run (observability.tracking, observability.workerstats): every rank
     # measures, rank 0 gathers and hands the records to the trackers' background senders.
     stats = WorkerStats(
         device, rt.rank, rt.world_size, cfg.tracking.per_rank_every, _ray_gauges(cfg, rt)
     )
+    memory.timer = stats.timer  # the RAM tier's stall, a phase of its own ("snap")
     tracker = open_tracker(
         cfg,
         rt.run,
@@ -569,12 +593,14 @@ def _journal_attempt(
     start: int,
     source: str | None,
     trained_to: int = -1,
+    restore_s: float = 0.0,
 ) -> None:
     """The attempt's first journal record: where it resumed (`restored_from`: storage,
     memory-own, memory-buddy; None from scratch), and what the restart cost (steps
     trained past that point, and the wall time since the last step). `history` is the
     metrics file as earlier attempts left it; `trained_to`, a step known trained beyond
-    it (the RAM tier's newest snapshot), -1 if none."""
+    it (the RAM tier's newest snapshot), -1 if none. `began` (when the worker process
+    started) and `restore_s` split the time before it for goodput."""
     if rt.journal is None:
         return
     previous = [r for r in history if r.get("event") == "train"]
@@ -594,6 +620,8 @@ def _journal_attempt(
         restored_from=source or None,
         lost_steps=max(0, last_step - start),
         lost_s=None if last_time is None else round(time.time() - last_time, 3),
+        began=getattr(rt, "began", None),
+        restore_s=round(restore_s, 3),
     )
 
 
