@@ -173,4 +173,7 @@ def load_model(
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    from trainer.objectives import linear_ce
+
+    linear_ce.configure(model, cfg.train.loss, cfg.train.loss_chunk)
     return model

@@ -42,6 +42,7 @@ from trainer.config import FSDPOptions, JobConfig
 from trainer.errors import CheckpointError, UserError
 from trainer.model import adapters, attention, nf4
 from trainer.model.loading import full_state_dict, model_config
+from trainer.objectives import linear_ce
 from trainer.strategies.base import ModelSource
 from trainer.strategies.common import (
     Evaluating,
@@ -139,6 +140,8 @@ class FSDPStrategy(ModelCalls):
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+        split = self.pp > 1 or self.tp > 1
+        linear_ce.configure(model, cfg.train.loss, cfg.train.loss_chunk, split=split)
         nf4_names: list[str] = []
         if self.adapter:
             # PEFT on the meta skeleton (the config refuses adapters with tp/pp > 1).

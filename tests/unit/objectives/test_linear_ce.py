@@ -190,3 +190,67 @@ def test_an_unknown_model_keeps_the_plain_loss():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40))
     assert not linear_ce.install(model)
     assert type(model.lm_head) is torch.nn.Linear and "forward" not in vars(model)
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("llama")
+    tiny_llama(False).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def _strategy(model_dir, name: str, loss: str):
+    from trainer.config import load_config
+    from trainer.strategies.base import ModelSource, build_strategy
+
+    cfg = load_config(
+        {
+            "model": {"path": str(model_dir)},
+            "data": {"train_file": "unused.jsonl", "block_size": 12},
+            "train": {"micro_batch_size": 2, "max_steps": 1, "loss": loss, "loss_chunk": 7},
+            "strategy": {"name": name},
+            "scaling": {"num_workers": 1},
+            "run": {"name": "loss"},
+        }
+    )
+    s = build_strategy(cfg, torch.device("cpu"), 0, 1)
+    s.setup(ModelSource(model_dir, 96))
+    s.model.train()
+    return s
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+def test_the_strategies_build_models_with_the_chunked_loss(saved_llama, name):
+    """`train.loss: auto` puts the chunked head on the model each strategy builds (DDP
+    through trainer.model.loading, FSDP2 on its meta skeleton, then fully_shard), and a
+    micro step's loss and gradients equal `plain`'s."""
+    import torch.distributed as dist
+
+    x = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(7))
+    y = labels_for(2, 12, 96)
+    try:
+        runs = {loss: _strategy(saved_llama, name, loss) for loss in ("plain", "auto")}
+        for loss, s in runs.items():
+            head = s.model.lm_head
+            assert isinstance(head, linear_ce.LinearCEHead) == (loss == "auto")
+            s.loss = s.train_micro(x, y, torch.tensor(19.0))
+        close(runs["auto"].loss, runs["plain"].loss, "loss")
+        plain = dict(runs["plain"].model.named_parameters())
+        for n, p in runs["auto"].model.named_parameters():
+            close(_full(p.grad), _full(plain[n].grad), n)
+    finally:
+        if name == "fsdp" and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_the_planner_counts_the_families_the_loss_knows():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from trainer.planner.memory import CHUNKED_FAMILIES
+
+    named = {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[t] for t in CHUNKED_FAMILIES}
+    assert named == set(linear_ce.CAUSAL_LMS)
