@@ -1,0 +1,138 @@
+"""The preference loss on every strategy: 2 gloo workers (no Ray), each a half of one batch
+of pairs, through the strategy's own train_micro (its precision, backward, gradient
+reduction) and step (its global grad norm). The summed loss and the grad norm must equal
+one process computing the whole batch (the objective TRL's losses are checked against in
+tests/unit/objectives), to 1e-5 relative: DDP, FSDP2 and ZeRO-3 against a precomputed
+reference column, LoRA on DDP and on FSDP2 against the adapter-off reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+PAIRS, BLOCK = 4, 16
+LAYOUTS = {
+    "ddp": ({"name": "ddp"}, "none"),
+    "fsdp": ({"name": "fsdp"}, "none"),
+    "zero3": ({"name": "deepspeed", "config": "zero3"}, "none"),
+    "ddp-lora": ({"name": "ddp"}, "lora"),
+    "fsdp-lora": ({"name": "fsdp"}, "lora"),
+}
+
+
+def _cfg(model_dir: str, strategy: dict, adapter: str, world: int):
+    from trainer.config import JobConfig
+
+    return JobConfig.model_validate(
+        {
+            "model": {"path": model_dir, "adapter": adapter},
+            "data": {"train_file": "unused.jsonl", "block_size": BLOCK},
+            "strategy": strategy,
+            "train": {"objective": "dpo", "micro_batch_size": PAIRS // world, "max_steps": 1},
+            "optim": {"grad_clip": None},
+            "scaling": {"num_workers": world},
+            "run": {"name": "pref-strategies"},
+        }
+    )
+
+
+def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, labels, reference log-probs) of PAIRS pairs: chosen rows, then rejected."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, vocab, (2 * PAIRS, BLOCK), generator=g)
+    ids[PAIRS:, :5] = ids[:PAIRS, :5]  # one prompt per pair
+    labels = ids.clone()
+    labels[:, :5] = -100
+    labels[1, 12:] = -100  # completions of different lengths
+    labels[PAIRS + 2, 9:] = -100
+    ref = -30 + 5 * torch.rand(2 * PAIRS, generator=g, dtype=torch.float64)
+    return ids, labels, ref
+
+
+def _run(strategy, ids, labels, ref, rows, world):
+    """Loss (averaged over ranks, as the step report does: each rank's is its pairs' sum
+    over the global pairs / world) and global grad norm of one step on `rows`."""
+    import torch.distributed as dist
+
+    column = ref[rows] if strategy.objective.column_reference else None
+    with strategy.accumulating(True):
+        loss = strategy.train_micro(
+            ids[rows], labels[rows], torch.tensor(PAIRS / world), ref=column
+        )
+    if world > 1:
+        dist.all_reduce(loss)
+    return float(loss) / world, strategy.step()
+
+
+def _half(rank: int, world: int) -> torch.Tensor:
+    mine = torch.arange(rank, PAIRS, world)
+    return torch.cat([mine, mine + PAIRS])
+
+
+def _worker(rank: int, world: int, init: str, model_dir: str, vocab: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from trainer.strategies.base import ModelSource, build_strategy
+
+    torch.set_num_threads(1)
+    # What torchrun sets, and DeepSpeed's partitioned init reads.
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    ids, labels, ref = _batch(vocab)
+    result = {}
+    for name, (strategy_opts, adapter) in LAYOUTS.items():
+        torch.manual_seed(0)
+        s = build_strategy(
+            _cfg(model_dir, strategy_opts, adapter, world), torch.device("cpu"), rank, world
+        )
+        s.setup(ModelSource(Path(model_dir), vocab))
+        s.model.train()
+        result[name] = _run(s, ids, labels, ref, _half(rank, world), world)
+        dist.barrier()
+        del s
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _single(model_dir: str, vocab: int) -> dict[str, tuple[float, float]]:
+    """One process, the whole batch: DDP on a world of one is the plain model."""
+    from trainer.strategies.base import ModelSource, build_strategy
+
+    ids, labels, ref = _batch(vocab)
+    out = {}
+    for adapter in ("none", "lora"):
+        torch.manual_seed(0)
+        s = build_strategy(_cfg(model_dir, {"name": "ddp"}, adapter, 1), torch.device("cpu"), 0, 1)
+        s.setup(ModelSource(Path(model_dir), vocab))
+        s.model.train()
+        out[adapter] = _run(s, ids, labels, ref, torch.arange(2 * PAIRS), 1)
+    return out
+
+
+def test_preference_loss_and_grads_on_every_strategy(tiny, tmp_path, monkeypatch):
+    import torch.multiprocessing as mp
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    model_dir = str(tiny["model"])
+    vocab = len(AutoTokenizer.from_pretrained(model_dir))
+    out = tmp_path / "losses.json"
+    init = tempfile.mktemp(prefix="pg-", dir=tmp_path)
+    mp.spawn(_worker, args=(2, init, model_dir, vocab, str(out)), nprocs=2, join=True)
+    got = json.loads(out.read_text())
+    single = _single(model_dir, vocab)
+    assert single["none"][0] != pytest.approx(single["lora"][0])  # the reference matters
+    for name, (_, adapter) in LAYOUTS.items():
+        want_loss, want_norm = single[adapter]
+        loss, norm = got[name]
+        assert loss == pytest.approx(want_loss, rel=1e-5), name
+        assert norm == pytest.approx(want_norm, rel=1e-5), name
