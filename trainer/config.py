@@ -917,8 +917,13 @@ class JobConfig(_Section):
         return self.global_batch // (self.train.micro_batch_size * replicas)
 
     @property
+    def sequences_per_example(self) -> int:
+        """Sequences one batch item holds: a preference pair is two (chosen, rejected)."""
+        return 1 if self.train.objective == "sft" else 2
+
+    @property
     def tokens_per_step(self) -> int:
-        return self.global_batch * self.data.block_size
+        return self.global_batch * self.sequences_per_example * self.data.block_size
 
     @property
     def backend(self) -> str:

@@ -102,7 +102,8 @@ class Setup:
             precision=cfg.train.precision,
             optimizer=cfg.optim.name,
             world=cfg.scaling.num_workers,
-            micro_batch=cfg.train.micro_batch_size,
+            # sequences: a preference pair is two (the activations of both)
+            micro_batch=cfg.train.micro_batch_size * cfg.sequences_per_example,
             block_size=cfg.data.block_size,
             checkpointing=ckpt,
             eager_attention=cfg.model.attn_implementation == "eager",
@@ -111,7 +112,8 @@ class Setup:
             lora_targets=_targets(cfg.model.lora.target_modules),
             merge_on_export=cfg.model.lora.merge_on_export,
             grad_accum=cfg.train.grad_accum,
-            memory_tier=cfg.checkpoint.memory_every > 0,
+            # a number > 0; auto is decided per node type (trainer.planner.tiers)
+            memory_tier=cfg.checkpoint.memory_every not in (0, "auto"),
             expandable_segments=cfg.scaling.expandable_segments,
             loss=cfg.train.loss,
             loss_chunk=cfg.train.loss_chunk,

@@ -13,6 +13,7 @@ from typing import Any
 
 from trainer.config import JobConfig
 from trainer.errors import UserError
+from trainer.planner import preference
 from trainer.planner.catalog import InstanceType, get_instance, load_instances
 from trainer.planner.device import MIN_MARGIN
 from trainer.planner.device import margin as fit_margin
@@ -414,7 +415,7 @@ def plan_job(
 ) -> Plan:
     """The plan for a validated job config (the entry point of the CLIs and submit)."""
     shape = ModelShape.from_params(params) if params else shape_for_job(cfg, read_text)
-    return plan(
+    result = plan(
         shape,
         for_model(Setup.from_config(cfg), shape),
         instance=instance,
@@ -427,3 +428,15 @@ def plan_job(
         history_shortfall=history_shortfall,
         history=history,
     )
+    # A preference objective: pairs, the reference's price, a live reference's.
+    chosen = result.layout or result.cheapest
+    result.notes += preference.notes(
+        preference.cost(
+            cfg,
+            result.params,
+            result.setup,
+            chosen.tokens_per_s if chosen else tokens_per_s,
+            tokens_per_epoch,
+        )
+    )
+    return result
