@@ -68,6 +68,7 @@ class Progress:
     note: str | None = None  # why nothing could be read, when so
     memory: str | None = None  # the fullest rank at the last logged step
     slowest: str | None = None  # the phase that took most of a step, over the steady run
+    rewards: str | None = None  # a preference objective's TRL metrics at the last step
 
 
 PHASE_NAMES = {
@@ -174,6 +175,19 @@ def read_progress(meta: dict[str, str], total: int | None = None) -> Progress:
         lost_steps=lost,
         memory=memory_line(last),
         slowest=slowest_line(steps),
+        rewards=rewards_line(last),
+    )
+
+
+def rewards_line(record: dict[str, Any]) -> str | None:
+    """A preference objective's step (trainer.objectives), by TRL's metric names: how
+    often the chosen completion wins, and by how much."""
+    if "rewards/accuracies" not in record:
+        return None
+    return (
+        f"accuracies {record['rewards/accuracies']:.2f}, margins "
+        f"{record['rewards/margins']:.3f} (chosen {record['rewards/chosen']:.3f}, "
+        f"rejected {record['rewards/rejected']:.3f})"
     )
 
 

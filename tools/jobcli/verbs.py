@@ -12,6 +12,7 @@ from typing import Any
 from tools.jobcli import cluster, runs, waiting
 from tools.jobcli.cost import submission_cost_lines
 from tools.jobcli.follow import follow_to_end
+from tools.jobcli.goodputlines import submission_goodput_lines
 from trainer.errors import UserError
 
 
@@ -84,6 +85,8 @@ def status(args: argparse.Namespace, client: Any, target: cluster.Target) -> int
         ("memory", p.memory or "-"),
         ("slowest", p.slowest or "-"),
     ]
+    if p.rewards:
+        lines.append(("rewards", p.rewards))
     if p.note:
         lines.append(("note", p.note))
     if state in runs.LIVE:
@@ -93,6 +96,7 @@ def status(args: argparse.Namespace, client: Any, target: cluster.Target) -> int
                 lines += [("waiting", text.strip()) for text in waiting.lines(wait)]
     else:
         lines += [("cost", text.removeprefix("cost: ")) for text in submission_cost_lines(meta)]
+        lines += [("goodput", t.split(": ", 1)[1]) for t in submission_goodput_lines(meta)]
     if job.message and state not in runs.LIVE:
         lines.append(("ray", job.message.strip().splitlines()[-1]))
     for key, value in lines:
