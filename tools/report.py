@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from tools.jobcli.cost import run_lines
-from tools.jobcli.runs import PHASE_NAMES, memory_line, slowest_line, steady
+from tools.jobcli.goodputlines import measure_run
+from tools.jobcli.runs import PHASE_NAMES, memory_line, rewards_line, slowest_line, steady
+from trainer.observability import goodput
 from trainer.observability.metrics import lineage, read_records
 from trainer.resilience import journal
 from trainer.storage.location import resolve
@@ -24,7 +26,8 @@ def load_run(run_uri: str, endpoint_override: str | None = None) -> dict[str, An
     steps, wasted = lineage(records)
     evals = [r for r in steps if "eval_loss" in r]
     restarts = sum(1 for r in records if r.get("event") == "resume")
-    faults = journal.summarize(journal.read(run))
+    journal_records = journal.read(run)
+    faults = journal.summarize(journal_records)
     lost = sum(faults["lost_steps"]) if faults["attempts"] else wasted
     return {
         "cost": run_lines(run, steps, lost),
@@ -33,6 +36,7 @@ def load_run(run_uri: str, endpoint_override: str | None = None) -> dict[str, An
         "wasted_steps": wasted,
         "restarts": restarts,
         "journal": faults,
+        "goodput": measure_run(run, records, journal_records),  # where the paid time went
     }
 
 
@@ -43,7 +47,9 @@ def plot(run: dict[str, Any], out: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     steps = run["steps"]
-    fig, ((ax1, ax2), (ax3, ax4)) = plt.subplots(2, 2, figsize=(11, 8))
+    fig, axes = plt.subplots(3, 2, figsize=(11, 11), gridspec_kw={"height_ratios": [3, 3, 1]})
+    (ax1, ax2), (ax3, ax4), (ax5, ax6) = axes
+    _plot_goodput(fig, ax5, ax6, run.get("goodput"))
     ax1.plot([r["step"] for r in steps], [r["loss"] for r in steps], label="train loss")
     if run["evals"]:
         ax1.plot(
@@ -55,6 +61,7 @@ def plot(run: dict[str, Any], out: Path, title: str) -> Path:
     ax1.set_xlabel("step")
     ax1.set_ylabel("loss")
     ax1.set_title(title)
+    _plot_rewards(ax1, steps)
     ax1.legend()
     ax1.grid(alpha=0.3)
     ax2.plot([r["step"] for r in steps], [r["tokens_per_s"] for r in steps], color="tab:green")
@@ -69,6 +76,44 @@ def plot(run: dict[str, Any], out: Path, title: str) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _plot_rewards(ax: Any, steps: list[dict[str, Any]]) -> None:
+    """A preference objective's rewards/accuracies beside its loss, on a 0-1 axis."""
+    rows = [r for r in steps if "rewards/accuracies" in r]
+    if not rows:
+        return
+    twin = ax.twinx()
+    twin.plot(
+        [r["step"] for r in rows],
+        [r["rewards/accuracies"] for r in rows],
+        color="tab:purple",
+        label="rewards/accuracies",
+    )
+    twin.set_ylim(0, 1.05)
+    twin.set_ylabel("rewards/accuracies")
+    twin.legend(loc="center right")
+
+
+def _plot_goodput(fig: Any, ax: Any, spare: Any, g: Any) -> None:
+    """Where the paid accelerator time went: one stacked bar, a part per colour."""
+    fig.delaxes(spare)
+    ax.set_title("paid accelerator time (wall × workers)")
+    if g is None or g.paid <= 0:
+        ax.text(0.5, 0.5, "no goodput: no journal for this run", ha="center")
+        ax.set_axis_off()
+        return
+    left = 0.0
+    for part, seconds in g.parts.items():
+        if seconds <= 0:
+            continue
+        share = seconds / g.paid
+        ax.barh([0], [share], left=left, label=f"{goodput.LABELS[part]} {share:.1%}")
+        left += share
+    ax.set_xlim(0, 1)
+    ax.set_yticks([])
+    ax.set_xlabel("share of paid time")
+    ax.legend(fontsize="small", ncol=4, loc="upper center", bbox_to_anchor=(1.0, -0.6))
 
 
 def _panel(ax: Any, title: str, ylabel: str, rows: list[Any], empty: str) -> bool:
@@ -135,12 +180,15 @@ def summary_lines(run: dict[str, Any]) -> list[str]:
             f"eval loss: {run['evals'][-1]['eval_loss']:.4f} "
             f"(perplexity {run['evals'][-1]['eval_perplexity']:.2f})"
         )
+    if rewards_line(last):
+        lines.append(f"rewards (last step): {rewards_line(last)}")
     mem, slow = memory_line(last), slowest_line(steps)
     if mem:
         lines.append(f"fullest worker: {mem}")
     if slow:
         lines.append(f"slowest part of a step (second half of the run): {slow}")
-    return lines + journal_lines(run.get("journal") or {}) + list(run.get("cost") or [])
+    good = goodput.lines(run["goodput"]) if run.get("goodput") is not None else []
+    return lines + journal_lines(run.get("journal") or {}) + list(run.get("cost") or []) + good
 
 
 def journal_lines(j: dict[str, Any]) -> list[str]:
@@ -172,8 +220,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run", help="the run's folder: <storage.path>/<run.name>")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--endpoint-override", default=None)
+    p.add_argument("--debug", action="store_true", help="tracebacks instead of one line")
     args = p.parse_args(argv)
-    run = load_run(args.run, args.endpoint_override)
+    try:
+        run = load_run(args.run, args.endpoint_override)
+    except OSError as exc:  # an unreachable bucket, a missing credential: one line
+        if args.debug:
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(
+            f"error: {args.run}: storage not readable ({first[:200]}); check the path, "
+            "--endpoint-override and your credentials",
+            file=sys.stderr,
+        )
+        return 2
+    if not run["steps"]:
+        print(
+            f"error: {args.run}: no run here (no metrics.jsonl with a step); give the run's "
+            "folder, <storage.path>/<run.name>",
+            file=sys.stderr,
+        )
+        return 2
     for line in summary_lines(run):
         print(line)
     out = args.out or Path("build") / "reports" / (Path(args.run).name + "-loss.png")

@@ -144,15 +144,21 @@ def _check_exact(cfg: Any, reference: dict[str, torch.Tensor]) -> None:
         assert torch.equal(got[k], want), k  # bit-identical, not merely close
 
 
-def _sigkill_rank1_after_17(cluster: Any, tiny: Any, root: Path, name: str, **sections: Any) -> Any:
+def _sigkill_rank1_after_17(
+    cluster: Any,
+    tiny: Any,
+    root: Path,
+    name: str,
+    drill: str = "RAYLIFT_FAULT_KILL_AFTER_STEP",
+    **sections: Any,
+) -> Any:
     """Runs a job whose rank 1 SIGKILLs itself after step 17 (between storage checkpoints
     10 and 20) to its end, and checks its one restart: the second attempt restored step 16
     or 17 from its node's keeper (memory-own), not storage's 10, losing at most one step.
-    Returns the job's config."""
+    `drill`: the kill after the whole step, or right after its snapshot reached the
+    keepers. Returns the job's config."""
     cfg, client, job_id = launch(
-        cluster,
-        memory_job(root, tiny, name, **sections),
-        env={"RAYLIFT_FAULT_KILL_AFTER_STEP": "17"},
+        cluster, memory_job(root, tiny, name, **sections), env={drill: "17"}
     )
     _finish(client, job_id)
     attempts = _attempts(cfg)
@@ -206,8 +212,13 @@ def _no_keepers_left(cfg: Any, cluster: Any) -> None:
 def test_worker_sigkill_loses_at_most_one_step_and_restores_from_its_node_keeper(
     ray_cluster, tiny, tmp_path, reference
 ):
-    """DDP: rank 0's model and optimizer, every rank's data position and RNG."""
-    cfg = _sigkill_rank1_after_17(ray_cluster, tiny, tmp_path, "mem-kill")
+    """DDP: rank 0's model and optimizer, every rank's data position and RNG. The kill
+    lands right after step 17's snapshot is on the keepers: the restore from it must
+    leave step 17's metrics record (one record per kept step; the snapshot used to be
+    taken before the record was written, and the history skipped 17)."""
+    cfg = _sigkill_rank1_after_17(
+        ray_cluster, tiny, tmp_path, "mem-kill", "RAYLIFT_FAULT_KILL_AFTER_SNAPSHOT"
+    )
     _check_exact(cfg, reference)
     _no_keepers_left(cfg, ray_cluster)
 

@@ -170,8 +170,8 @@ def submit(
             if busy is not None:
                 raise RunIsLive(
                     f"run {cfg.run.name} is already {runs.state(busy)} as job "
-                    f"{busy.submission_id}; follow it with `submit.py logs {cfg.run.name} "
-                    f"--follow`, or stop it with `submit.py stop {cfg.run.name}`"
+                    f"{busy.submission_id}; follow it with `raylift logs {cfg.run.name} "
+                    f"--follow`, or stop it with `raylift stop {cfg.run.name}`"
                 )
             try:
                 job_id = submit_with_retry(

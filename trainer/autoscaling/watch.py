@@ -259,7 +259,9 @@ class ClusterWatch:
         now = time.time()
         nodes = ray.nodes()
         for n in nodes:
-            if n.get("Alive") and not _is_head(n):
+            # the head too where it runs workers (a local cluster's; infra's has 0 CPUs)
+            runs_workers = any(n.get("Resources", {}).get(k, 0) > 0 for k in ("CPU", "GPU"))
+            if n.get("Alive") and (runs_workers or not _is_head(n)):
                 row = self.nodes.setdefault(n["NodeID"], {**node_row(n), "first": now})
                 row["last"] = now
         if now - self._written > 60:

@@ -322,14 +322,27 @@ class Cadence:
         self._last = {RAM: 0, STORAGE: 0}
         self._steps_seen = 0
         self._why = "measured"
+        self._tick: float | None = None
+        self._stalled = 0.0
 
     # -- measurements
+    def tick(self, done: int) -> None:
+        """Step `done` ended: its time is the time since the previous tick less the stalls
+        measured meanwhile. The first tick of an attempt is where the intervals count from."""
+        now = self.clock()
+        if self._tick is None:
+            self._last = {RAM: done - 1, STORAGE: done - 1}
+        else:
+            self.step_time(max(1e-6, now - self._tick - self._stalled))
+        self._tick, self._stalled = now, 0.0
+
     def step_time(self, seconds: float) -> None:
         self._steps_seen += 1
         self._step_s = _ema(self._step_s, seconds)
         self.costs.step_s = self._step_s
 
     def saved(self, tier: str, stall_s: float) -> None:
+        self._stalled += stall_s
         if tier == RAM:
             self.costs.memory_stall_s = _ema(self.costs.memory_stall_s or None, stall_s)
         else:
@@ -445,3 +458,116 @@ class Cadence:
     def restored(self, step: int) -> None:
         """A new attempt starts from `step`: intervals count from there."""
         self._last = {RAM: step, STORAGE: step}
+
+
+# ---------------------------------------------------------------- the run's setup
+
+
+MARKET_LABELS = ("ray.io/market-type", "market")
+INSTANCE_TYPE_LABELS = ("instance-type", "ray.io/instance-type")
+
+
+def spot_band_of(labels: dict[str, str]) -> str | None:
+    """The spot band of the node's instance type (the catalog's), None on demand or
+    where the catalog names none."""
+    market = next((labels[k] for k in MARKET_LABELS if labels.get(k)), "")
+    itype = next((labels[k] for k in INSTANCE_TYPE_LABELS if labels.get(k)), "")
+    if market.lower() != "spot":
+        return None
+    from trainer.planner.catalog import load_instances
+
+    spec = load_instances().get(itype)
+    return getattr(spec, "spot_interruption_band", None) if spec is not None else None
+
+
+def journal_faults(records: list[dict[str, Any]]) -> tuple[dict[str, int], float]:
+    """({cause: count}, hours of training) from a run's journal: the controller's failure
+    causes, a driver lost (an attempt after a failure with no controller record, a new
+    driver before it)."""
+    counts: dict[str, int] = {}
+    attempts = [r for r in records if r.get("event") == "attempt"]
+    for r in records:
+        if r.get("event") == "failure":
+            cause = str(r.get("cause"))
+            counts[cause] = counts.get(cause, 0) + 1
+    times = [float(r["time"]) for r in records if "time" in r]
+    hours = (max(times) - min(times)) / 3600 if len(times) > 1 else 0.0
+    failures = sum(1 for a in attempts[1:] if a.get("after") == "failure")
+    counted = sum(counts.values())
+    if failures > counted:
+        counts["driver_lost"] = failures - counted
+    return counts, hours
+
+
+def for_run(
+    *,
+    every_steps: int | str | None,
+    memory_every: int | str,
+    memory_tier: bool,
+    max_overhead: float,
+    nodes: int,
+    gpus_per_node: int,
+    spot_band: str | None,
+    journal_records: list[dict[str, Any]],
+    journal: Callable[..., Any] | None,
+) -> Cadence | None:
+    """The run's cadence when either tier is `auto` (None when both are numbers): priors
+    from the pool, moved by the run's own journal."""
+    if every_steps != "auto" and memory_every != "auto":
+        return None
+    rates = prior_rates(nodes, gpus_per_node, spot_band)
+    counts, hours = journal_faults(journal_records)
+    rates = observed_rates(rates, counts, hours)
+    return Cadence(
+        rates,
+        memory_tier=memory_tier,
+        max_overhead=max_overhead,
+        fixed_memory=memory_every if isinstance(memory_every, int) and memory_tier else None,
+        fixed_storage=(
+            every_steps
+            if isinstance(every_steps, int)
+            else (10**9 if every_steps is None else None)
+        ),
+        journal=journal,
+    )
+
+
+def memory_tier_on(cfg: Any, ray_train: bool) -> bool:
+    """Whether the RAM tier runs: a number > 0, or auto where it can (Ray Train, not
+    DeepSpeed: its engine writes only whole checkpoints to a folder)."""
+    every = cfg.checkpoint.memory_every
+    if every == "auto":
+        return ray_train and cfg.strategy.name != "deepspeed"
+    return ray_train and every > 0
+
+
+def for_job(cfg: Any, rt: Any) -> Cadence | None:
+    """The run's cadence (None when both intervals are numbers, or in a smoke test)."""
+    if cfg.train.as_test:
+        return None
+    from trainer.planner.catalog import load_instances
+    from trainer.resilience import journal as journal_mod
+    from trainer.runtime.worker import RayRuntime
+
+    labels = dict(getattr(rt, "node_labels", {}) or {})
+    itype = next((labels[k] for k in INSTANCE_TYPE_LABELS if labels.get(k)), "")
+    spec = load_instances().get(itype)
+    per_node = max(1, spec.gpu_count) if spec is not None else 1
+    try:
+        records = journal_mod.read(rt.run)
+    except Exception:  # a journal that cannot be read leaves the priors
+        records = []
+    cadence = for_run(
+        every_steps=cfg.checkpoint.every_steps,
+        memory_every=cfg.checkpoint.memory_every,
+        memory_tier=memory_tier_on(cfg, isinstance(rt, RayRuntime)),
+        max_overhead=cfg.checkpoint.max_overhead,
+        nodes=math.ceil(rt.world_size / per_node),
+        gpus_per_node=per_node,
+        spot_band=spot_band_of(labels),
+        journal_records=records,
+        journal=rt.journal.add if getattr(rt, "journal", None) is not None else None,
+    )
+    if cadence is not None and hasattr(rt, "on_persisted"):
+        rt.on_persisted = cadence.written
+    return cadence

@@ -26,6 +26,7 @@ import json
 import logging
 import random
 import re
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -372,10 +373,15 @@ class CheckpointManager:
         train_state: TrainState,
         rank: int,
         world_size: int,
-        every: int | None,
+        every: int | str | None,
         export_every: int | None,
         enabled: bool = True,
+        cadence: Any = None,
     ):
+        """`every`: steps between checkpoints, None (only at the end) or "auto" (the
+        `cadence` decides); `cadence` (trainer.checkpoint.cadence.Cadence) also measures
+        every save's stall and write, of either tier."""
+        self.cadence = cadence
         self.identity = identity
         self.parts = parts
         self.train_state = train_state
@@ -386,7 +392,11 @@ class CheckpointManager:
         self.enabled = enabled
 
     def due(self, step: int, end: int) -> bool:
-        return self.enabled and (step == end or (self.every is not None and step % self.every == 0))
+        if self.every == "auto":  # the cadence decides (checkpoint.every_steps: auto)
+            periodic = self.cadence is not None and self.cadence.storage_due(step)
+        else:
+            periodic = self.every is not None and step % self.every == 0
+        return self.enabled and (step == end or periodic)
 
     def export_due(self, step: int, end: int, final: bool) -> bool:
         periodic = self.export_every is not None and step % self.export_every == 0
@@ -398,6 +408,8 @@ class CheckpointManager:
         are only copied here; their files and the manifest are written in the background
         (`trainer.checkpoint.staging`), and the runtime's upload waits for them."""
         step = self.train_state.step
+        started = time.monotonic()
+        tier = "memory" if extra.get("snapshot") else "storage"
         out = scratch_dir(f"raylift-ckpt-{step}-r{self.rank}-")
         writers: list[staging.Writer] = []
         for part in self.parts.values():
@@ -417,11 +429,16 @@ class CheckpointManager:
                 **extra,
             }
             (out / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
+        cadence = self.cadence
         if not writers:
             write_manifest(out, self.rank, before=set())
+            if cadence is not None:
+                cadence.saved(tier, time.monotonic() - started)
             return out
         staging.copy_done()
         rank = self.rank
+        if cadence is not None:  # the training thread's part: the stall
+            cadence.saved(tier, time.monotonic() - started)
 
         def finish() -> None:
             for writer in writers:

@@ -182,11 +182,17 @@ class MemoryTier:
     Off (every call a no-op) unless on Ray Train with memory_every > 0."""
 
     def __init__(self, cfg: Any, rt: Any, manager: Any, device: Any):
+        from trainer.checkpoint.cadence import memory_tier_on
         from trainer.runtime.worker import RayRuntime
 
         self.rt, self.manager, self.device = rt, manager, device
-        on = isinstance(rt, RayRuntime) and manager.enabled
-        self.every = cfg.checkpoint.memory_every if on else 0
+        on = manager.enabled and memory_tier_on(cfg, isinstance(rt, RayRuntime))
+        every = cfg.checkpoint.memory_every
+        self.auto = on and every == "auto"  # the cadence decides (trainer.checkpoint.cadence)
+        self.every = every if on and isinstance(every, int) else 0
+        self.active = self.auto or self.every > 0
+        self.cadence = manager.cadence
+        self.timer: Any = None  # the step's phase timer: the snapshot's stall is "snap"
         self.ns = namespace(rt.run.uri, cfg.run.name)
         self.stuck_s = cfg.checkpoint.stuck_write_s
         self.confirmed = -1
@@ -198,7 +204,7 @@ class MemoryTier:
         self._own: Any = None
         self._buddy: Any = None
         self.node_id = ""
-        if self.every:
+        if self.active:
             import ray
 
             self.node_id = ray.get_runtime_context().get_node_id()
@@ -207,18 +213,22 @@ class MemoryTier:
 
     def ask(self) -> list[float]:
         """This rank's flags for the step's all-reduce: its newest snapshot is on both
-        keepers; its tier broke."""
-        if not self.every:
-            return [0.0, 0.0]
+        keepers; its tier broke; then the cadence's proposal (auto intervals), if any."""
+        proposal = self.cadence.ask() if self.cadence is not None else []
+        if not self.active:
+            return [0.0, 0.0, *proposal]
         p = self._pending
         ok = p is None or (p.done() and p.exception() is None)
         failed = p is not None and p.done() and p.exception() is not None
-        return [float(ok), float(self.broken or failed)]
+        return [float(ok), float(self.broken or failed), *proposal]
 
     def agreed(self, flags: list[float]) -> None:
-        """The flags summed over every rank."""
-        if not self.every or not self._started:
-            if self.every and flags[1] > 0:
+        """The flags summed over every rank (and the cadence's proposals, summed)."""
+        flags, proposals = flags[:2], flags[2:]
+        if self.cadence is not None:
+            self.cadence.agreed(proposals)
+        if not self.active or not self._started:
+            if self.active and flags[1] > 0:
                 self._stop("a rank's RAM tier failed")
             return
         ok, broken = flags
@@ -237,13 +247,29 @@ class MemoryTier:
         self.broken = True
 
     def due(self, done: int, is_last: bool) -> bool:
-        return bool(self.every) and not self.broken and not is_last and done % self.every == 0
+        if not self.active or self.broken or is_last:
+            return False
+        if self.auto:
+            return self.cadence is not None and self.cadence.memory_due(done)
+        return done % self.every == 0
 
     def after_step(self, done: int, is_last: bool) -> None:
-        """Snapshot step `done` when due: stage it through the manager (the training
-        thread's part), send it on the tier's thread."""
+        """Called once the step's record is written (a restore must never skip it).
+        Snapshot step `done` when due: stage it through the manager (the training
+        thread's part), send it on the tier's thread. The cadence learns the step's time."""
+        if self.cadence is not None:
+            self.cadence.tick(done)
         if not self.due(done, is_last):
             return
+        started = time.perf_counter()
+        try:
+            self._snapshot(done)
+        finally:
+            if self.timer is not None:
+                self.timer.add("snap", time.perf_counter() - started)
+        faults.kill_after_snapshot(done, self.rt.rank, self.rt.world_size, self._pending, self.ns)
+
+    def _snapshot(self, done: int) -> None:
         if self._pending is not None:
             try:
                 self._pending.result()
@@ -275,6 +301,7 @@ class MemoryTier:
         import ray
 
         staging.lower_priority()
+        began = time.monotonic()
         try:
             staging.wait_written(out, self.stuck_s, f"the snapshot of step {step}")
             files = _folder_files(out)
@@ -290,6 +317,8 @@ class MemoryTier:
             )
             if not copied:
                 raise RuntimeError(f"buddy keeper refused step {step}")
+            if self.cadence is not None:  # the write floor: one snapshot in flight
+                self.cadence.written("memory", time.monotonic() - began)
         finally:
             shutil.rmtree(out, ignore_errors=True)
 
@@ -308,8 +337,10 @@ class MemoryTier:
     def restore(self) -> tuple[str, int] | None:
         """Collective. Load the newest snapshot every rank can restore that is not older
         than storage's newest complete checkpoint; ("memory-own" | "memory-buddy", step),
-        or None when the attempt must restore from storage (every rank agrees)."""
-        if not self.every:
+        or None when the attempt must restore from storage (every rank agrees). With
+        `auto`, keepers start at the first snapshot, not here: a run that never took one
+        starts none."""
+        if not self.active:
             return None
         import ray
 
@@ -321,8 +352,9 @@ class MemoryTier:
         started = time.monotonic()
         # This node's keeper first (a node that joined after the driver started has none
         # yet), so that the other ranks find it as a buddy once this collective is done.
-        self._own = _keeper_actor(self.ns, self.node_id)
-        ray.get(self._own.pid.remote(), timeout=CALL_TIMEOUT_S)
+        if not self.auto:
+            self._own = _keeper_actor(self.ns, self.node_id)
+            ray.get(self._own.pid.remote(), timeout=CALL_TIMEOUT_S)
         keepers = list(list_keepers(self.ns).items())
         inventories, handles = [], []
         for node, handle in keepers:
@@ -403,3 +435,33 @@ def pid_of_keepers(ns: str) -> dict[str, int]:
     import ray
 
     return {n: ray.get(h.pid.remote(), timeout=CALL_TIMEOUT_S) for n, h in list_keepers(ns).items()}
+
+
+def resolve_auto(cfg: Any) -> Any:
+    """The driver's part of `memory_every: auto`: the config the workers get, with the RAM
+    tier off (0) where the planner says its keepers do not fit the smallest worker node's
+    host RAM (trainer.planner.tiers), else unchanged. Logged either way."""
+    if cfg.checkpoint.memory_every != "auto" or cfg.strategy.name == "deepspeed":
+        return cfg
+    import ray
+
+    from trainer.planner.tiers import memory_tier_fits
+
+    nodes = [
+        n
+        for n in ray.nodes()
+        if n.get("Alive")
+        and (n.get("Resources", {}).get("CPU", 0) > 0 or n.get("Resources", {}).get("GPU", 0) > 0)
+    ]
+    ram = [
+        float(n["Resources"].get("memory", 0)) + float(n["Resources"].get("object_store_memory", 0))
+        for n in nodes
+    ]
+    gpus = max((int(n["Resources"].get("GPU", 0)) for n in nodes), default=0)
+    per_node = max(1, gpus) if cfg.scaling.use_gpu else 1
+    on, why = memory_tier_fits(cfg, min(ram) if ram and min(ram) > 0 else None, per_node)
+    log.info("%s", why)
+    if on:
+        return cfg
+    checkpoint = cfg.checkpoint.model_copy(update={"memory_every": 0})
+    return cfg.model_copy(update={"checkpoint": checkpoint})

@@ -28,8 +28,9 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 GIB = 1024**3
-PHASES = ("data", "fwd_bwd", "optim", "ckpt", "eval")
-"""Step phases, in the order a step runs them; `t_<phase>_s` in the records."""
+PHASES = ("data", "fwd_bwd", "optim", "ckpt", "eval", "snap")
+"""Step phases, in the order a step runs them; `t_<phase>_s` in the records. `snap` is the
+RAM tier's snapshot stall (trainer.checkpoint.memory), `ckpt` the storage checkpoint's."""
 MEMORY = ("mem_peak_gib", "mem_reserved_gib", "mem_peak_pct", "host_rss_gib")
 COUNTERS = ("alloc_retries", "ooms")
 FIELDS = (*MEMORY, *COUNTERS, *(f"t_{p}_s" for p in PHASES))

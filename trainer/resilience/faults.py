@@ -16,9 +16,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,16 @@ UPLOAD_PAUSE_ENV = "RAYLIFT_FAULT_UPLOAD_PAUSE_S"
 window a kill or a storage outage must not turn into a checkpoint that looks complete."""
 KILL_AFTER_STEP_ENV = "RAYLIFT_FAULT_KILL_AFTER_STEP"
 """N: the first attempt's last rank SIGKILLs itself once every rank has finished step N."""
-WORKER_ENV = (UPLOAD_PAUSE_ENV, KILL_AFTER_STEP_ENV, HOLD_ENV, HOLD_BUDDY_ENV)
+KILL_AFTER_SNAPSHOT_ENV = "RAYLIFT_FAULT_KILL_AFTER_SNAPSHOT"
+"""N: the last rank SIGKILLs itself once its RAM-tier snapshot of step N is on its keepers,
+before anything else of the step runs (the first time only, per run)."""
+WORKER_ENV = (
+    UPLOAD_PAUSE_ENV,
+    KILL_AFTER_STEP_ENV,
+    HOLD_ENV,
+    HOLD_BUDDY_ENV,
+    KILL_AFTER_SNAPSHOT_ENV,
+)
 """The drills a Ray job's driver passes on to its workers."""
 HOLD_LIMIT_S = 900.0
 """A held run goes on by itself after this long, so a test that dies never leaves a job
@@ -111,3 +122,25 @@ def kill_after_step(
             handler.flush()
         os.kill(os.getpid(), signal.SIGKILL)
     barrier()  # the others wait here for the collective that fails
+
+
+def kill_after_snapshot(done: int, rank: int, world_size: int, pending: Any, run_key: str) -> None:
+    """RAYLIFT_FAULT_KILL_AFTER_SNAPSHOT=N: the last rank SIGKILLs itself right after its
+    RAM-tier snapshot of step N reached its keepers (it waits for the send), as a kill
+    between the snapshot and whatever the step does next would. Once per run: a marker
+    file beside the machine's temp files (the test cluster is one machine)."""
+    at = os.environ.get(KILL_AFTER_SNAPSHOT_ENV, "")
+    if not at or int(at) != done or rank != world_size - 1:
+        return
+    marker = Path(tempfile.gettempdir()) / f"raylift-kill-after-snapshot-{run_key}-{done}"
+    if marker.exists():
+        return
+    if pending is not None:
+        pending.result()
+    marker.touch()
+    log.warning(
+        "%s: killing rank %d after the snapshot of step %d", KILL_AFTER_SNAPSHOT_ENV, rank, done
+    )
+    for handler in logging.getLogger().handlers + logging.getLogger("trainer").handlers:
+        handler.flush()
+    os.kill(os.getpid(), signal.SIGKILL)

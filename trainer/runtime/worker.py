@@ -132,6 +132,8 @@ class Runtime:
                 write_wait_s=written_s,
                 upload_s=round(time.monotonic() - started - written_s, 3),
             )
+        if self.on_persisted is not None:  # the cadence's write floor
+            self.on_persisted("storage", time.monotonic() - started)
         return target
 
     def note_save(self, step: int, seconds: float) -> None:
@@ -144,6 +146,8 @@ class Runtime:
     def __init__(self) -> None:
         self._fetched: list[Path] = []
         self._save_s: dict[int, float] = {}
+        self.began = time.time()  # the worker process began: capacity arrived (goodput)
+        self.on_persisted: Any = None  # (tier, seconds) of each checkpoint's write + upload
 
     def _storage_settings(self, cfg: JobConfig) -> None:
         """What both runtimes take from the config once the rank is known: the run's

@@ -41,6 +41,11 @@ class InstanceType(BaseModel):
     nvme_devices: int = Field(default=0, ge=0)
     on_demand_usd_per_hour: float = Field(gt=0)
     spot_usd_per_hour: float = Field(gt=0, description="typical, not a quote")
+    spot_interruption_band: Literal["<5%", "5-10%", "10-15%", "15-20%", ">20%"] | None = Field(
+        default=None,
+        description="AWS's spot interruption frequency band (share interrupted per month): "
+        "the prior of the checkpoint cadence (trainer.checkpoint.cadence)",
+    )
 
     @model_validator(mode="after")
     def _gpu_fields_agree(self) -> InstanceType:
