@@ -53,7 +53,8 @@ def prepare_inputs(cfg: JobConfig, progress: bool = True) -> Prepared:
     # enough there; a single source must fill a global batch.
     need = cfg.global_batch if len(train) == 1 else 1
     for src, cache in zip(cfg.data.sources("train"), train, strict=True):
-        blocks = cache.meta["num_tokens"] // cfg.data.block_size
+        # a preference pair is two blocks (chosen, rejected); the batch counts pairs
+        blocks = cache.meta["num_tokens"] // cfg.data.block_size // cfg.sequences_per_example
         if blocks < need:
             raise UserError(
                 f"data.train_file {src.path}: {blocks} blocks of {cfg.data.block_size} tokens "
