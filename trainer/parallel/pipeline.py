@@ -9,7 +9,10 @@ plain HF folder. Each stage recomputes the rotary (cos, sin) from the positions:
 hidden state travels between stages.
 
 Families whose causal LM is `model.{embed_tokens, layers, norm, rotary_emb}` + `lm_head`
-and whose layers take `position_embeddings=` work: Llama, Mistral, Qwen2, Qwen3.
+and whose layers take `position_embeddings=` work: Llama, Mistral, Qwen2, Qwen3, Phi-3
+(trainer.model.families marks them). Gemma 2 and 3 do not: they scale the embeddings,
+soft-cap the logits and tie lm_head to the first stage's embeddings; preflight refuses
+them in one line.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 
 from trainer.errors import UserError
+from trainer.model import families
 
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
@@ -28,7 +32,7 @@ SCHEDULES = {
     "interleaved_1f1b": "ScheduleInterleaved1F1B",
     "zbv": "ScheduleZBVZeroBubble",
 }
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = tuple(k for k, f in families.FAMILIES.items() if f.pipeline)
 
 
 def stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
@@ -68,28 +72,43 @@ def cut_to_stage(model: torch.nn.Module, stage: int, n_stages: int) -> torch.nn.
 
 
 def _stage_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    from transformers.masking_utils import create_causal_mask
-
     inner = self.model
     h = inner.embed_tokens(x) if inner.embed_tokens is not None else x
     positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-    # None with sdpa (its is_causal path); an explicit causal mask with eager, where None
-    # would mean no mask at all.
-    mask = create_causal_mask(
-        config=self.config,
-        inputs_embeds=h,
-        attention_mask=None,
-        past_key_values=None,
-        position_ids=positions,
-    )
+    masks = _causal_masks(self.config, h, positions)
+    types = getattr(self.config, "layer_types", None)
     rotary = inner.rotary_emb(h, position_ids=positions)
-    for layer in inner.layers.values():
+    for i, layer in inner.layers.items():
+        mask = masks[types[int(i)] if types else "full_attention"]
         h = layer(h, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
     if inner.norm is not None:
         h = inner.norm(h)
     if self.lm_head is not None:
         h = self.lm_head(h)
     return h
+
+
+def _causal_masks(config: Any, h: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
+    """The causal mask of each layer type, as the whole model builds them: None with sdpa
+    (its is_causal path), an explicit mask with eager (where None would mean no mask);
+    a sliding window where the model has one (Mistral and Phi-3 on every layer, Qwen2/3
+    on the layers its layer_types name)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    kw = {
+        "config": config,
+        "inputs_embeds": h,
+        "attention_mask": None,
+        "past_key_values": None,
+        "position_ids": positions,
+    }
+    types = getattr(config, "layer_types", None) or []
+    window = getattr(config, "sliding_window", None)
+    full = create_sliding_window_causal_mask if window and not types else create_causal_mask
+    masks = {"full_attention": full(**kw)}
+    if "sliding_attention" in types:
+        masks["sliding_attention"] = create_sliding_window_causal_mask(**kw)
+    return masks
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

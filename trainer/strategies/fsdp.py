@@ -136,6 +136,10 @@ class FSDPStrategy(ModelCalls):
                 attn_implementation=attention.for_job(cfg, source.model_dir).impl,
                 dtype=torch.float32,
             )
+        if getattr(model.config, "tie_word_embeddings", False):
+            # accelerate's meta init unties lm_head from embed_tokens (Gemma, small Qwen
+            # and Llama 3.2): lm_head would stay uninitialised memory after to_empty().
+            model.tie_weights()
         if cfg.model.gradient_checkpointing or self.opts.activation_checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}

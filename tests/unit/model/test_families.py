@@ -168,3 +168,49 @@ def test_document_attention_is_exact_per_family(family, folders):
             no_window = packing.attention_inputs(segs, attn.impl)
             wrong = model(input_ids=ids, **no_window).logits[0]
             assert (wrong - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if families.FAMILIES[f].pipeline])
+def test_pipeline_stages_compute_the_whole_model_per_family(family, folders):
+    """Two pipeline stages cut from the family's model, chained, give the whole model's
+    logits (a sequence longer than Mistral's sliding window, so each stage must keep it)."""
+    from trainer.parallel.pipeline import cut_to_stage
+
+    model_dir = folders[family]
+
+    def load():
+        return transformers.AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+
+    whole = load()
+    x = torch.randint(
+        3, whole.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5)
+    )
+    with torch.no_grad():
+        want = whole(input_ids=x).logits
+        got = cut_to_stage(load(), 1, 2)(cut_to_stage(load(), 0, 2)(x))
+    assert (got - want).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_fsdp2_keeps_tied_embeddings_tied(family, folders):
+    """FSDP2 builds the model on the meta device and loads it sharded: a family that ties
+    lm_head to embed_tokens must compute what the folder's model does (its lm_head was
+    left as uninitialised memory, and Gemma 2 trained on NaN)."""
+    model_dir = folders[family]
+    cfg = load_config(
+        {
+            "model": {"path": str(model_dir)},
+            "data": {"train_file": "unused.jsonl", "block_size": 16},
+            "strategy": {"name": "fsdp"},
+            "scaling": {"num_workers": 1},
+            "run": {"name": "tied"},
+        }
+    )
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    s = build_strategy(cfg, torch.device("cpu"), 0, 1)
+    s.setup(ModelSource(model_dir, vocab))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    x = torch.randint(3, vocab, (1, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        got = s.model.eval()(input_ids=x).logits
+        assert (got - ref(input_ids=x).logits).abs().max() <= 1e-5
