@@ -729,6 +729,11 @@ class JobConfig(_Section):
                 f"data.eval_file: not supported with train.objective {objective} in this build "
                 "(eval_loss is a next-token loss); leave it unset"
             )
+        if self.data.attention == "document":
+            raise ValueError(
+                f"data.attention: document does not apply to train.objective {objective} "
+                "(pairs are never packed: each sequence is a block of its own); leave it auto"
+            )
 
     @model_validator(mode="after")
     def _combinations(self) -> JobConfig:

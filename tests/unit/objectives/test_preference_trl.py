@@ -218,3 +218,23 @@ def test_sequence_logps_match_trl() -> None:
         theirs = _trl_logps(model, ids, labels, False)
     _close(ours, theirs)
     assert count.tolist() == [c for _, c, _ in PAIRS] + [r for _, _, r in PAIRS]
+
+
+@pytest.mark.parametrize("objective", ["dpo", "simpo", "orpo"])
+def test_micro_batches_add_up_to_the_batch(objective: str) -> None:
+    """Each micro batch's loss is its pairs' sum over the step's pair count, so split
+    micro batches (gradient accumulation, or ranks) give the whole batch's loss and grads."""
+    ids, labels, _ = _batch()
+    ref = _reference(ids, labels)
+    model = _model(0)
+    whole = _raylift(objective, model, ids, labels, ref)
+    obj = build_objective(_cfg(objective))
+    model.zero_grad()
+    n, total = len(PAIRS), torch.tensor(float(len(PAIRS)))
+    loss = torch.zeros(())
+    for part in ([0], [1, 2]):
+        rows = torch.tensor(part + [n + i for i in part])
+        micro = obj.loss(model, ids[rows], labels[rows], total, ref=ref[rows])
+        micro.backward()
+        loss += micro.detach()
+    _compare(whole[:2], (loss, _grads(model)))
