@@ -3,9 +3,12 @@ cheapest catalog layout that fits and what an epoch costs.
 
     python tools/plan.py job.yaml [--instance g5.xlarge] [--rank0-instance g5.48xlarge]
                                   [--tokens-per-epoch 3.5e6] [--set section.field=value] [--json]
+                                  [--days 3 --nodes 64]
 
-The same code as `python -m trainer plan` and as submit's refusal (trainer.planner). Exit
-status: 0 when the job fits (or is tight), 2 when it does not or the input is bad.
+The same code as `python -m trainer plan` and as submit's refusal (trainer.planner). Under
+the plan: the goodput a seeded simulation of faults expects (trainer.planner.faults_sim);
+with --days and --nodes, auto against fixed checkpoint intervals at that size. Exit status:
+0 when the job fits (or is tight), 2 when it does not or the input is bad.
 """
 
 from __future__ import annotations
@@ -113,18 +116,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--debug", action="store_true")
     add_arguments(p)
+    p.add_argument("--days", type=float, help="simulate faults over a run this long (goodput)")
+    p.add_argument("--nodes", type=int, help="simulate on this many nodes of the plan's type")
     args = p.parse_args(argv)
     try:
-        plan = plan_from_args(load_config(args.config, args.overrides), args)
+        cfg = load_config(args.config, args.overrides)
+        plan = plan_from_args(cfg, args)
     except UserError as exc:
         if args.debug:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from trainer.planner.faults_sim import plan_lines  # goodput predicted (issue 49)
+
+    goodput = plan_lines(cfg, plan, args.days, args.nodes)
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=2))
+        print(json.dumps({**plan.to_dict(), "goodput": goodput}, indent=2))
     else:
         render(plan)
+        print("\n".join(goodput))
     return 2 if plan.refused else 0
 
 

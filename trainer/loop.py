@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import cadence as cadence_mod
+from trainer.checkpoint import cadence_setup
 from trainer.checkpoint import manager as ckpt_mod
 from trainer.checkpoint.manager import (
     CheckpointManager,
@@ -352,7 +352,7 @@ def _checkpoint_manager(
         every=cfg.checkpoint.every_steps,
         export_every=cfg.checkpoint.export_every,
         enabled=not cfg.train.as_test,
-        cadence=cadence_mod.for_job(cfg, rt),  # the intervals `auto` chooses
+        cadence=cadence_setup.for_job(cfg, rt),  # the intervals `auto` chooses
     )
 
 
