@@ -431,8 +431,11 @@ def test_spot_notice_checkpoints_at_once_and_loses_no_step(ray_cluster, tiny, tm
 
     records, steps, wasted = history(cfg)
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    # What was lost and where each restart resumed from, not how many restarts it took: a
+    # loaded CI's live node missed heartbeats and the group restarted twice, both times
+    # from the emergency checkpoint, losing nothing.
     resumes = [r for r in records if r.get("event") == "resume"]
-    assert [r["from_step"] for r in resumes] == [notice["step"]], (resumes, notice)
+    assert resumes and all(r["from_step"] == notice["step"] for r in resumes), (resumes, notice)
     assert wasted == 0
     # Seen at a step boundary, saved at that step: the trained steps after the notice
     # are none, and the save fit the deadline with its margin recorded.
@@ -440,7 +443,8 @@ def test_spot_notice_checkpoints_at_once_and_loses_no_step(ray_cluster, tiny, tm
     assert max(first_attempt) == notice["step"]
     assert notice["save_s"] < notice["deadline_s"] and notice["margin_s"] > 0, notice
     attempts = [r for r in journal.read(run) if r["event"] == "attempt"]
-    assert [a["lost_steps"] for a in attempts] == [0, 0]
+    assert len(attempts) >= 2 and all(a["lost_steps"] == 0 for a in attempts), attempts
+    assert all(a["from_step"] == notice["step"] for a in attempts[1:]), (attempts, notice)
     _same_weights(load_file(str(run_dir / FINAL)), reference["weights"], atol=1e-5)
     assert json.loads((run_dir / "summary.json").read_text())["run"] == "spot"
 
