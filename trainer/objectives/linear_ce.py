@@ -81,16 +81,22 @@ def _chunk_logits(
     z = F.linear(h, weight, bias).float()
     if softcap is None:
         return z, None
-    t = torch.tanh(z / softcap)
+    t = z.div_(softcap).tanh_()
     return t * softcap, t
 
 
-def _chunk_loss(z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Sum over the chunk's kept targets of logsumexp(z) - z[target], in fp32."""
+def _softmax_loss_(z: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place, so a chunk holds one vocab-wide fp32 buffer: z becomes softmax(z). Returns
+    the sum over the chunk's kept targets of logsumexp(z) - z[target] (computed as
+    torch.logsumexp does: shifted by the row's max), and the kept-row mask."""
     keep = target != IGNORE
-    safe = torch.where(keep, target, 0)
-    picked = z.gather(1, safe.unsqueeze(1)).squeeze(1)
-    return ((torch.logsumexp(z, dim=-1) - picked) * keep).sum()
+    safe = torch.where(keep, target, 0).unsqueeze(1)
+    z.sub_(z.amax(dim=-1, keepdim=True))
+    picked = z.gather(1, safe).squeeze(1)
+    total = z.exp_().sum(dim=-1, keepdim=True)
+    loss = ((total.squeeze(1).log() - picked) * keep).sum()
+    z.div_(total)
+    return loss, keep
 
 
 def _divisor(targets: torch.Tensor, num_items: Any) -> torch.Tensor:
@@ -131,22 +137,23 @@ class _ChunkedLinearCE(torch.autograd.Function):
             h = hidden[start : start + chunk]
             target = targets[start : start + chunk]
             z, t = _chunk_logits(h, weight, bias, softcap)
-            total += _chunk_loss(z, target)
+            loss, keep = _softmax_loss_(z, target)
+            total += loss
             # d(loss)/dz = (softmax(z) - onehot(target)) / divisor on kept rows, 0 elsewhere.
-            keep = (target != IGNORE).unsqueeze(1)
-            dz = torch.softmax(z, dim=-1)
-            dz.scatter_add_(1, torch.where(keep.squeeze(1), target, 0).unsqueeze(1), -keep.float())
-            dz.mul_(keep * scale)
-            del z
+            dz = z
+            dz.scatter_add_(1, torch.where(keep, target, 0).unsqueeze(1), -keep.float()[:, None])
+            dz.mul_(keep[:, None] * scale)
             if t is not None:
-                dz.mul_(1.0 - t * t)  # through cap · tanh(z / cap)
+                dz.mul_(t.mul_(t).neg_().add_(1.0))  # through cap · tanh(z / cap)
+            del z, t
             low = dz.to(compute)  # the dtype autograd would give the logits' gradient
             if grad_h is not None:
                 grad_h[start : start + chunk] = (low @ w_low).to(grad_h.dtype)
-            if grad_w is not None:
-                grad_w += (low.t() @ h.to(compute)).float()
+            if grad_w is not None:  # in fp32, in place: no weight-sized temporary
+                grad_w.addmm_(dz.t(), h.float())
             if grad_b is not None:
                 grad_b += dz.sum(0)
+            del dz, low  # before the next chunk's logits
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -191,7 +198,7 @@ def chunked_linear_cross_entropy(
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     for start in range(0, h.shape[0], chunk):
         z, _ = _chunk_logits(h[start : start + chunk], weight, bias, softcap)
-        total += _chunk_loss(z, targets[start : start + chunk])
+        total += _softmax_loss_(z, targets[start : start + chunk])[0]
     return total / divisor
 
 

@@ -261,17 +261,19 @@ def logits_bytes(shape: ModelShape, s: Setup, tokens: int) -> float:
 
     Plain (the model's own loss): per token and vocabulary entry, c (lm_head output) + 4
     (its fp32 upcast / log_softmax output) + 4 + 4 (their gradients in fp32), + c for a
-    softcap's tanh. Chunked: one chunk of `loss_chunk` tokens at a time, each holding its
-    fp32 logits, their exp for the log-sum-exp and their gradient (12 bytes), the matmul's
-    output in the compute dtype (c) and tanh's value under a softcap (4); plus what it
-    keeps from forward to backward: the gradient wrt the hidden states (tokens · h · c)
-    and, when lm_head trains, its fp32 weight gradient (vocab · h · 4)."""
+    softcap's tanh. Chunked: one chunk of `loss_chunk` tokens at a time, each holding one
+    fp32 buffer (its logits, turned in place into their softmax and gradient: 4 bytes),
+    in mixed precision the matmul's output and the gradient's cast (c), and tanh's value
+    under a softcap (4); plus what it keeps from forward to backward: the gradient wrt the
+    hidden states (tokens · h · c) and, when lm_head trains, its fp32 weight gradient
+    (vocab · h · 4)."""
     v, softcap = shape.vocab, bool(shape.logit_softcap)
     if not chunked_loss(shape, s):
         return float(tokens * (s.c + 12 + s.c * softcap) * v)
     chunk = min(tokens, s.loss_chunk)
+    per_entry = 4 + (s.c if s.mixed else 0) + 4 * softcap
     kept = tokens * shape.hidden * s.c + (4 * v * shape.hidden if s.adapter == "none" else 0)
-    return float(chunk * v * (12 + s.c + 4 * softcap) + kept)
+    return float(chunk * v * per_entry + kept)
 
 
 def _targets(setting: list[str] | str) -> tuple[str, ...]:
