@@ -18,6 +18,8 @@ The rule (docs/checkpoints.md):
 - The write floor: a tier's interval is never shorter than its background write takes,
   so writes never queue behind each other.
 - The storage interval is a whole multiple of the RAM tier's.
+- A tier whose cost is not measured yet saves once at once (CheckFreq's profiling), then
+  the rule takes over.
 - After a rebalance recommendation or a burst of faults the rates count `BURST_FACTOR`
   times higher for `BURST_S` seconds: the intervals shorten for a while.
 
@@ -243,6 +245,9 @@ def decide(
 
     def tier(name: str, stall: float, write: float, rate_h: float) -> int:
         rate_s = rate_h * factor / 3600.0
+        if stall <= 0 and rate_s > 0:  # not measured yet: one save at once measures it
+            reasons[name] = "measuring"
+            return 1
         optimum = interval_s(stall, rate_s)
         guard = stall / max_overhead if max_overhead > 0 else 0.0
         chosen, why = optimum, "young" if stall * rate_s < 1e-3 else "daly"
@@ -298,6 +303,7 @@ class Cadence:
 
     MOVE = 0.25
     WARMUP_STEPS = 3
+    REDECIDE_STEPS = 20
 
     def __init__(
         self,
@@ -323,6 +329,7 @@ class Cadence:
         self._steps_seen = 0
         self._why = "measured"
         self._tick: float | None = None
+        self._decided_at = 0
         self._stalled = 0.0
 
     # -- measurements
@@ -389,25 +396,31 @@ class Cadence:
         )
 
     def ask(self) -> list[float]:
-        """This rank's proposal for the step's all-reduce: [have one, memory, storage]."""
+        """This rank's proposal for the step's all-reduce: [have one, memory, storage, in a
+        burst]."""
         d = self.propose()
-        return (
-            [0.0, 0.0, 0.0] if d is None else [1.0, float(d.memory_every), float(d.storage_every)]
-        )
+        if d is None:
+            return [0.0, 0.0, 0.0, 0.0]
+        return [1.0, float(d.memory_every), float(d.storage_every), float(self.burst)]
 
     def agreed(self, summed: list[float]) -> None:
-        """The proposals summed over ranks: every rank takes the same rounded mean, and
-        keeps the current intervals unless one moved by more than MOVE (no flapping
-        between neighbours) or a burst began or ended."""
-        n, mem, sto = summed
+        """The proposals summed over ranks: every rank takes the same rounded mean (and a
+        burst when any rank is in one). The current intervals stay unless one moved by
+        more than MOVE, at most every REDECIDE_STEPS steps (no flapping on a noisy step
+        time), or a burst began or ended. Everything here is the same on every rank."""
+        n, mem, sto, burst_ranks = summed
         if n < 1:
             return
+        burst = burst_ranks > 0
         mem_every = max(1, round(mem / n)) if self.memory_tier else 0
         sto_every = max(1, round(sto / n))
         if mem_every:
             sto_every = max(mem_every, round(sto_every / mem_every) * mem_every)
         old = self.decision
-        if old is not None and old.inputs.get("burst") == self.burst:
+        if old is not None and old.inputs.get("burst") == burst:
+            measuring = "measuring" in old.reasons.values()
+            if not measuring and self._steps_seen - self._decided_at < self.REDECIDE_STEPS:
+                return
             moved = [
                 abs(new - cur) > self.MOVE * cur
                 for new, cur in ((mem_every, old.memory_every), (sto_every, old.storage_every))
@@ -415,15 +428,16 @@ class Cadence:
             ]
             if not any(moved):
                 return
-        self._decide((mem_every, sto_every))
+        self._decide((mem_every, sto_every), burst)
 
-    def _decide(self, agreed: tuple[int, int]) -> None:
+    def _decide(self, agreed: tuple[int, int], burst: bool) -> None:
         d = self.propose()
         if d is None:
             return
-        why = self._why if self.burst else ("start" if self.decision is None else "measured")
+        why = self._why if burst else ("start" if self.decision is None else "measured")
         d.memory_every, d.storage_every = agreed
-        self.decision = d
+        d.inputs["burst"] = burst
+        self.decision, self._decided_at = d, self._steps_seen
         if self.journal is not None:
             self.journal(
                 "cadence",
@@ -518,7 +532,7 @@ def for_run(
     rates = prior_rates(nodes, gpus_per_node, spot_band)
     counts, hours = journal_faults(journal_records)
     rates = observed_rates(rates, counts, hours)
-    return Cadence(
+    cadence = Cadence(
         rates,
         memory_tier=memory_tier,
         max_overhead=max_overhead,
@@ -530,6 +544,12 @@ def for_run(
         ),
         journal=journal,
     )
+    # Two faults within BURST_S before this attempt: a burst, shorter intervals for a while.
+    failed = sorted(float(r["time"]) for r in journal_records if r.get("event") == "failure")
+    recent = len(failed) >= BURST_FAULTS and time.time() - failed[-1] < BURST_S
+    if recent and failed[-1] - failed[-BURST_FAULTS] < BURST_S:
+        cadence.shorten("fault burst")
+    return cadence
 
 
 def memory_tier_on(cfg: Any, ray_train: bool) -> bool:

@@ -32,8 +32,12 @@ def test_young_and_daly_values() -> None:
 
 def test_each_tier_follows_its_own_cost_and_rate() -> None:
     rates = Rates(memory=2.0, storage=0.05)  # per hour
-    base = decide(Costs(step_s=1.0, memory_stall_s=0.05, storage_stall_s=2.0), rates,
-                  memory_tier=True, max_overhead=1.0)  # fmt: skip
+    base = decide(
+        Costs(step_s=1.0, memory_stall_s=0.05, storage_stall_s=2.0),
+        rates,
+        memory_tier=True,
+        max_overhead=1.0,
+    )
     want_mem = cad.interval_s(0.05, 2.0 / HOUR)
     assert base.memory_every == math.ceil(want_mem)
     assert base.reasons[cad.RAM] in ("young", "daly")
@@ -42,17 +46,29 @@ def test_each_tier_follows_its_own_cost_and_rate() -> None:
     assert abs(base.storage_every - want_sto) <= base.memory_every
     assert base.storage_every % base.memory_every == 0
     # four times the storage cost: about twice the interval; the RAM tier's unmoved
-    slow = decide(Costs(step_s=1.0, memory_stall_s=0.05, storage_stall_s=8.0), rates,
-                  memory_tier=True, max_overhead=1.0)  # fmt: skip
+    slow = decide(
+        Costs(step_s=1.0, memory_stall_s=0.05, storage_stall_s=8.0),
+        rates,
+        memory_tier=True,
+        max_overhead=1.0,
+    )
     assert slow.memory_every == base.memory_every
     assert 1.8 < slow.storage_every / base.storage_every < 2.2
     # four times the kills: the RAM tier's interval halves
-    kills = decide(Costs(step_s=1.0, memory_stall_s=0.05, storage_stall_s=2.0),
-                   Rates(memory=8.0, storage=0.05), memory_tier=True, max_overhead=1.0)  # fmt: skip
+    kills = decide(
+        Costs(step_s=1.0, memory_stall_s=0.05, storage_stall_s=2.0),
+        Rates(memory=8.0, storage=0.05),
+        memory_tier=True,
+        max_overhead=1.0,
+    )
     assert kills.memory_every == pytest.approx(base.memory_every / 2, abs=1)
     # the same decision in seconds scales with the step time
-    fast = decide(Costs(step_s=0.25, memory_stall_s=0.05, storage_stall_s=2.0), rates,
-                  memory_tier=True, max_overhead=1.0)  # fmt: skip
+    fast = decide(
+        Costs(step_s=0.25, memory_stall_s=0.05, storage_stall_s=2.0),
+        rates,
+        memory_tier=True,
+        max_overhead=1.0,
+    )
     assert fast.memory_every == pytest.approx(4 * base.memory_every, abs=4)
 
 
@@ -71,8 +87,9 @@ def test_overhead_guard_lengthens_the_tier() -> None:
     rates = Rates(memory=0.0, storage=6.0)
     d = decide(Costs(step_s=1.0, storage_stall_s=10.0), rates, memory_tier=False, max_overhead=0.02)
     assert d.storage_every == 500 and d.reasons[cad.STORAGE] == "overhead"
-    loose = decide(Costs(step_s=1.0, storage_stall_s=10.0), rates, memory_tier=False,
-                   max_overhead=0.5)  # fmt: skip
+    loose = decide(
+        Costs(step_s=1.0, storage_stall_s=10.0), rates, memory_tier=False, max_overhead=0.5
+    )
     assert loose.storage_every == math.ceil(cad.interval_s(10.0, 6.0 / HOUR))
 
 
@@ -85,6 +102,22 @@ def test_never_shorter_than_a_storage_write() -> None:
     assert b.reasons[cad.STORAGE] == "write"
     assert b.storage_every * 2.0 >= 900.0 and b.storage_every % b.memory_every == 0
     assert a.storage_every < b.storage_every
+
+
+def test_an_unmeasured_tier_saves_once_to_measure() -> None:
+    d = decide(Costs(step_s=1.0), Rates(2.0, 0.05), memory_tier=True)
+    assert (d.memory_every, d.storage_every) == (1, 1)
+    assert set(d.reasons.values()) == {"measuring"}
+    log: list[dict] = []
+    c = Cadence(Rates(2.0, 0.05), memory_tier=True, journal=lambda e, **f: log.append(f))
+    for _ in range(3):
+        c.step_time(1.0)
+    c.decide_alone()
+    assert c.decision.memory_every == 1
+    c.saved(cad.RAM, 0.05)
+    c.saved(cad.STORAGE, 2.0)
+    c.decide_alone()  # at once, not REDECIDE_STEPS later
+    assert c.decision.memory_every > 1 and len(log) == 2
 
 
 def test_a_fixed_tier_keeps_its_number() -> None:
@@ -147,6 +180,10 @@ def test_the_run_decides_journals_and_moves_with_measurements() -> None:
     for _ in range(20):  # storage got slow: its interval grows, the RAM tier's does not
         c.saved(cad.STORAGE, 20.0)
     c.decide_alone()
+    assert len(log) == 1  # not within REDECIDE_STEPS of the last decision (no flapping)
+    for _ in range(Cadence.REDECIDE_STEPS):
+        c.step_time(1.0)
+    c.decide_alone()
     assert len(log) == 2 and c.decision.storage_every > 2 * first.storage_every
     assert c.decision.memory_every == first.memory_every
     # due: counted from the last save, per tier
@@ -180,10 +217,59 @@ def test_a_burst_shortens_for_a_while() -> None:
 def test_ranks_agree_on_the_mean_of_their_proposals() -> None:
     a, b = _cadence([], Clock()), _cadence([], Clock())
     b.saved(cad.STORAGE, 8.0)
+    b.shorten("rebalance recommendation")  # one rank heard it: both shorten
     summed = [x + y for x, y in zip(a.ask(), b.ask(), strict=True)]
     a.agreed(summed)
     b.agreed(summed)
     assert (a.decision.memory_every, a.decision.storage_every) == (
         b.decision.memory_every,
         b.decision.storage_every,
+    )
+    assert a.decision.inputs["burst"] and b.decision.inputs["burst"]
+
+
+def test_a_run_starts_from_its_pool_and_its_journal() -> None:
+    import time
+
+    now = time.time()
+    calm = cad.for_run(
+        every_steps="auto",
+        memory_every="auto",
+        memory_tier=True,
+        max_overhead=0.02,
+        nodes=64,
+        gpus_per_node=1,
+        spot_band=">20%",
+        journal_records=[],
+        journal=None,
+    )
+    assert calm is not None and not calm.burst
+    assert calm.rates.memory == pytest.approx(cad.prior_rates(64, 1, ">20%").memory)
+    kills = [{"event": "failure", "cause": "worker_died", "time": now - 600 + i} for i in (0, 60)]
+    start = [{"event": "attempt", "time": now - 3600}]
+    hurt = cad.for_run(
+        every_steps=10,
+        memory_every="auto",
+        memory_tier=True,
+        max_overhead=0.02,
+        nodes=64,
+        gpus_per_node=1,
+        spot_band=">20%",
+        journal_records=start + kills,
+        journal=None,
+    )
+    assert hurt.burst and hurt.fixed_storage == 10 and hurt.rates.memory > calm.rates.memory
+    assert (
+        cad.for_run(
+            every_steps=10,
+            memory_every=1,
+            memory_tier=True,
+            max_overhead=0.02,
+            nodes=1,
+            gpus_per_node=1,
+            spot_band=None,
+            journal_records=[],
+            journal=None,
+        )
+        is None
     )
