@@ -31,7 +31,9 @@ def base_job(tiny: dict[str, Path], storage: Path | str, name: str) -> dict[str,
         },
         "optim": {"lr": 3e-3, "warmup_steps": 2},
         "scaling": {"num_workers": 2},
-        "checkpoint": {"every_steps": 4, "keep_last": 2},
+        # Numbers, not the defaults' auto: these tests judge storage-only resume points
+        # (the RAM tier's snapshots would be newer); test_memory_tier sets its own.
+        "checkpoint": {"every_steps": 4, "keep_last": 2, "memory_every": 0},
         "storage": {"path": str(storage)},
         "run": {"name": name, "max_failures": 2},
     }
