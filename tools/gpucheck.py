@@ -41,6 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 TOLERANCE = 0.15
 """Predicted ÷ measured peak device memory must lie in [0.85, 1.15] (GPU runs only)."""
+DEVICE_TOLERANCE = 0.10
+"""GPU runs: the planner's device-level total must be at least the measured device-level
+peak (NVML / mem_get_info: what an OOM sees) and at most 10% above it."""
 FIT = 0.80
 """A strategy's model is shrunk (layers halved) until the planner predicts at most this
 share of the GPU's memory."""
@@ -165,8 +168,15 @@ def judge(result: dict[str, Any], gpu: bool) -> list[str]:
         )
     if not result["export_ok"]:
         problems.append(f"export did not reload: {result['export_error']}")
+    device = result.get("device_over_measured")
     ratio = result.get("predicted_over_measured")
-    if gpu and (ratio is None or abs(ratio - 1) > TOLERANCE):
+    if gpu and device is not None:
+        if not 1.0 <= device <= 1 + DEVICE_TOLERANCE:
+            problems.append(
+                f"planner's device-level total ÷ measured device peak = {device:.2f} is outside "
+                f"[1.00, {1 + DEVICE_TOLERANCE:.2f}]"
+            )
+    elif gpu and (ratio is None or abs(ratio - 1) > TOLERANCE):
         problems.append(f"planner predicted ÷ measured = {ratio} is outside ±{TOLERANCE:.0%}")
     return problems
 
@@ -444,6 +454,7 @@ def collect(job: Job, rc: int, log: Path, peak: float | None) -> dict[str, Any]:
         result["max_memory_allocated"] = max(r["max_memory_allocated"] for r in ranks)
         result["predicted"] = mem.total - mem.overhead
         result["predicted_over_measured"] = result["predicted"] / result["max_memory_reserved"]
+        result.update(device_figures(shape, setup, device, ranks))
         peak = peak or peak_flops(device, "bf16")
         result["peak_flops"] = peak
         per_device = result["tokens_per_s"] / world
@@ -465,6 +476,100 @@ def collect(job: Job, rc: int, log: Path, peak: float | None) -> dict[str, Any]:
     except Exception as exc:  # reported, and judged a failure
         result["export_ok"], result["export_error"] = False, f"{type(exc).__name__}: {exc}"
     return result
+
+
+def device_figures(shape: Any, setup: Any, device: str, ranks: list[dict]) -> dict[str, Any]:
+    """The planner's device-level total on this GPU kind (the catalog's figures) against
+    the measured device-level peak, and the parts the calibration is made from."""
+    from trainer.planner.device import kind_of
+    from trainer.planner.memory import rank_memory
+
+    kind = kind_of(device)
+    dev = rank_memory(shape, setup, kind, setup.world)
+    peaks = [r.get("device_peak") or 0 for r in ranks]
+    contexts = sorted(r["context_bytes"] for r in ranks if r.get("context_bytes"))
+    out: dict[str, Any] = {
+        "gpu_model": kind,
+        "tensors": dev.tensors,
+        "device_lines": dev.device,
+        "device_predicted": dev.total,
+        "device_peak": max(peaks) or None,
+        "context_bytes": contexts[len(contexts) // 2] if contexts else None,
+    }
+    if out["device_peak"]:
+        out["device_over_measured"] = dev.total / out["device_peak"]
+    return out
+
+
+def calibration_from(results: list[dict[str, Any]], meta: dict[str, str]) -> Any:
+    """The calibration file's content from a GPU run's rows: the measured context (median
+    over the jobs), and per strategy the allocator's slack as a share of the tensors (the
+    measured device peak less the tensors, the context and the catalog's NCCL and cuBLAS
+    lines, on one GPU), and the error of the calibrated model on the other GPU counts."""
+    from trainer.planner.calibration import Calibration, StrategyCalibration
+    from trainer.planner.device import MIB, catalog
+
+    pool = catalog()["allocator"]["fixed_mib"] * MIB  # the slack line's small-block pool
+    rows = [r for r in results if r.get("device_peak") and r.get("gpu_model")]
+    if not rows:
+        return None
+    contexts = sorted(r["context_bytes"] for r in rows if r.get("context_bytes"))
+    context = contexts[len(contexts) // 2] if contexts else None
+    strategies: dict[str, StrategyCalibration] = {}
+    for name in dict.fromkeys(r["strategy"] for r in rows):
+        mine = sorted((r for r in rows if r["strategy"] == name), key=lambda r: r["world"])
+        base = mine[0]
+
+        def fixed(r: dict[str, Any]) -> float:
+            lines = r["device_lines"]
+            ctx = context if context is not None else lines["cuda_context"]
+            return ctx + lines["nccl_buffers"] + lines["cublas_workspaces"] + pool
+
+        slack = max(0.0, (base["device_peak"] - base["tensors"] - fixed(base)) / base["tensors"])
+        errors = [
+            abs(r["tensors"] * (1 + slack) + fixed(r) - r["device_peak"]) / r["device_peak"]
+            for r in mine[1:]
+        ]
+        strategies[name] = StrategyCalibration(
+            slack_fraction=slack,
+            expandable_segments=meta.get("expandable_segments", "true") == "true",
+            predicted=base["device_predicted"],
+            measured=base["device_peak"],
+            error=max(errors) if errors else None,
+        )
+    return Calibration(
+        gpu_name=meta.get("gpu_name", ""),
+        gpu_model=rows[0]["gpu_model"],
+        torch=meta.get("torch", ""),
+        cuda=meta.get("cuda", ""),
+        nccl=meta.get("nccl", ""),
+        date=meta.get("date", ""),
+        context_bytes=context,
+        strategies=strategies,
+    )
+
+
+def run_meta(device: str) -> dict[str, str]:
+    import datetime
+
+    import torch
+
+    try:
+        nccl = ".".join(str(x) for x in torch.cuda.nccl.version())
+    except Exception:  # a build without NCCL
+        nccl = ""
+    conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    return {
+        "gpu_name": device,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "",
+        "nccl": nccl,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+        # The workers set expandable segments unless this environment set its own.
+        "expandable_segments": "false"
+        if conf and "expandable_segments:True" not in conf
+        else "true",
+    }
 
 
 def write_report(
@@ -542,6 +647,10 @@ def main(argv: list[str] | None = None) -> int:
             # on a later job) keeps what it measured, marked incomplete.
             report = write_report(args.out, gpu, device, n, results, total)
     plot(results, args.out / "report.png", gpu)
+    if gpu:
+        cal = calibration_from(results, run_meta(device))
+        if cal is not None:
+            print(f"calibration: {cal.write(args.out / 'calibration.json')}")
     print(table(results, gpu))
     print(f"report: {args.out / 'report.json'}, {args.out / 'report.png'}")
     if not gpu:

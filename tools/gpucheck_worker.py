@@ -51,8 +51,11 @@ def run_job(cfg) -> dict:
 
     report = preflight.run_all(cfg, strict=True)
     launch.check_nodes(cfg, report, torchrun=True)
-    prep = launch._prepare_rank0_first(cfg, int(os.environ.get("RANK", "0")))
+    rank = int(os.environ.get("RANK", "0"))
+    prep = launch._prepare_rank0_first(cfg, rank)
     last = train(cfg, prep, TorchrunRuntime(cfg, cfg.backend))
+    if rank == 0:  # the job record `raylift report` plans again (planned against measured)
+        launch._record_job(cfg, run_location(cfg))
     export = latest_export(run_location(cfg))
     return {"metrics": last, "export": export.uri if export is not None else None}
 
@@ -66,10 +69,21 @@ def run(job: Path, stop_at: int, out: Path) -> None:
     rank = int(os.environ.get("RANK", "0"))
     _reset_peaks(gpu)
     if gpu:
-        run_job(load_config(job, [f"train.stop_at_step={stop_at}"]))
+        from trainer.observability.device_memory import DeviceMemory
+
+        # The device-level peak (what an OOM sees: context, NCCL, the allocator's whole
+        # reservation), sampled through the first part; the allocator's own beside it.
+        meter = DeviceMemory(torch.device("cuda", torch.cuda.current_device()), settle=True)
+        with meter.phase("first_part"):
+            run_job(load_config(job, [f"train.stop_at_step={stop_at}"]))
+        row = meter.peaks["first_part"]
         mem = {
             "max_memory_reserved": torch.cuda.max_memory_reserved(),
             "max_memory_allocated": torch.cuda.max_memory_allocated(),
+            "device_peak": row["device_peak"],
+            "device_settled": row.get("device_settled"),
+            "reserved_settled": row.get("reserved_settled"),
+            "context_bytes": CONTEXT.get("bytes"),
             "device": torch.cuda.get_device_name(),
         }
     else:
@@ -82,16 +96,41 @@ def run(job: Path, stop_at: int, out: Path) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps({**mem, "summary": summary}, default=str))
 
 
+CONTEXT: dict[str, int] = {}
+"""The device bytes in use once CUDA and torch's kernels are up, before any tensor of a
+job: the CUDA context line the calibration records."""
+
+
+def _measure_context() -> None:
+    import torch
+
+    from trainer.observability.device_memory import DeviceMemory
+
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    x = torch.ones(1, device="cuda")  # the context and the allocator's first segment
+    (x @ x.view(1, 1)).sum().item()  # cuBLAS loaded
+    del x
+    torch.cuda.empty_cache()
+    meter = DeviceMemory(torch.device("cuda", torch.cuda.current_device()))
+    CONTEXT["bytes"] = meter.used() - torch.cuda.memory_reserved()
+
+
 def main() -> None:
     import torch.distributed as dist
 
     from trainer.config import load_config
     from trainer.observability.logs import setup_logging
+    from trainer.runtime.allocator import apply
     from trainer.runtime.worker import init_process_group
 
     setup_logging()
     items = json.loads(Path(sys.argv[1]).read_text())
-    init_process_group(load_config(Path(items[0]["job"]), []).backend)
+    first = load_config(Path(items[0]["job"]), [])
+    apply(first)  # expandable segments, as a GPU worker of a real job gets them
+    _measure_context()
+    init_process_group(first.backend)
     for item in items:
         run(Path(item["job"]), int(item["stop_at"]), Path(item["out"]))
     dist.barrier()

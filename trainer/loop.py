@@ -531,6 +531,7 @@ def _finish(
 ) -> None:
     """The last metrics written, the final probe (a run that trained to its end), the
     journal's last word and the trackers closed."""
+    report.stats.device_phases.write_final(rt.run, rt.rank)  # each phase's device peak
     report.close()
     if not cfg.train.as_test and end == steps and start < end:
         _write_probe(rt, strategy, feed.first, device)

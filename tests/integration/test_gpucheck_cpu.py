@@ -44,3 +44,15 @@ def test_cpu_self_check_trains_resumes_and_exports_every_strategy(ds_cpu_adam, t
     table = done.stdout[done.stdout.index("strategy") :]
     assert all(f" {name} " in table for name in gpucheck.STRATEGIES)
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
+    # raylift report on one of these CPU runs: the planner's per-rank figure beside what
+    # each rank measured per phase (issue 47), from the metrics the run wrote.
+    from tools.report import load_run, summary_lines
+
+    lines = summary_lines(load_run(str(out / "runs" / "2x-ddp" / "gpucheck-ddp")))
+    mem = [x for x in lines if x.startswith("memory: ")]
+    assert mem[0].startswith("memory: planned ") and "host RAM per CPU rank" in mem[0], mem
+    for r in (0, 1):
+        line = next(x for x in mem if x.startswith(f"memory: rank {r} measured peak "))
+        for phase in ("load ", "first step ", "steady ", "export "):
+            assert phase in line, line
+        assert "of plan" in line, line

@@ -92,3 +92,51 @@ def test_the_report_is_written_after_every_job_and_a_cut_short_run_never_passes(
     done = gpucheck.write_report(tmp_path, True, "NVIDIA H200", 1, [good] * 3, total=3)
     assert done["complete"] and done["passed"] and done["gpu_run_done"]
     assert json.loads((tmp_path / "report.json").read_text())["passed"] is True
+
+
+@pytest.mark.parametrize(("ratio", "ok"), [(1.0, True), (1.09, True), (0.99, False), (1.11, False)])
+def test_the_device_level_total_must_cover_the_measured_peak_within_10_percent(ratio, ok):
+    r = _result(device_over_measured=ratio, predicted_over_measured=0.5)  # reserved: reported
+    assert (gpucheck.judge(r, gpu=True) == []) is ok
+
+
+def _gpu_row(name, world, tensors, peak, gpu_model="H200"):
+    lines = {
+        "cuda_context": 600 * 2**20,
+        "nccl_buffers": 0.0 if world == 1 else 256 * 2**20,
+        "cublas_workspaces": 64 * 2**20,
+        "allocator_slack": 0.04 * tensors + 128 * 2**20,
+    }
+    return {
+        "strategy": name,
+        "world": world,
+        "gpu_model": gpu_model,
+        "tensors": tensors,
+        "device_lines": lines,
+        "device_predicted": tensors + sum(lines.values()),
+        "device_peak": peak,
+        "context_bytes": 500 * 2**20,
+    }
+
+
+def test_the_calibration_is_made_from_the_measured_rows_and_round_trips(tmp_path):
+    from trainer.planner import calibration
+
+    gib = 2**30
+    rows = [
+        _gpu_row("ddp", 1, 4 * gib, 4 * gib * 1.10 + (500 + 64 + 128) * 2**20),
+        _gpu_row("ddp", 8, 4 * gib, 4 * gib * 1.10 + (500 + 64 + 128 + 256) * 2**20 + 0.2 * gib),
+        _gpu_row("fsdp", 1, 2 * gib, 2 * gib + (500 + 64 + 128) * 2**20),
+    ]
+    meta = {"gpu_name": "NVIDIA H200", "torch": "2.11.0+cu130", "cuda": "13.0",
+            "nccl": "2.28.3", "date": "2026-11-29", "expandable_segments": "true"}  # fmt: skip
+    cal = gpucheck.calibration_from(rows, meta)
+    assert cal.gpu_model == "H200" and cal.context_bytes == 500 * 2**20
+    ddp, fsdp = cal.strategies["ddp"], cal.strategies["fsdp"]
+    assert ddp.slack_fraction == pytest.approx(0.10) and fsdp.slack_fraction == pytest.approx(0)
+    # The calibrated model missed the 8-GPU row by 0.2 GiB: that is ddp's error (margin).
+    assert ddp.error == pytest.approx(0.2 * gib / rows[1]["device_peak"])
+    assert fsdp.error is None and ddp.measured == rows[0]["device_peak"]
+    back = calibration.read(cal.write(tmp_path / "calibration.json"))
+    assert back.to_dict() == cal.to_dict()
+    assert gpucheck.calibration_from([_gpu_row("ddp", 1, gib, None)], meta) is None

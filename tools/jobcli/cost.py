@@ -185,10 +185,17 @@ def run_cost_lines(run: Any) -> list[str]:
 
 def run_lines(run: Any, steps: list[dict[str, Any]], lost: int) -> list[str]:
     """What the run cost (its recorded nodes), then what the planner expected it to."""
+    from tools.jobcli.devicemem import device_memory_lines
     from trainer.autoscaling.watch import read_nodes
+    from trainer.observability.device_memory import read_final
 
     nodes = read_nodes(run)
-    return cost_lines(nodes, steps, lost) + planner_lines(read_job(run), nodes, steps)
+    job = read_job(run)
+    return (
+        cost_lines(nodes, steps, lost)
+        + planner_lines(job, nodes, steps)
+        + device_memory_lines(job, nodes, steps, read_final(run))  # planned vs measured
+    )
 
 
 def submission_cost_lines(meta: dict[str, str]) -> list[str]:

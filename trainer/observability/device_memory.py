@@ -161,3 +161,127 @@ def _nvml_process_bytes(handle: Any) -> int:
         return 0
     pid = os.getpid()
     return sum(int(p.usedGpuMemory or 0) for p in procs if p.pid == pid)
+
+
+FINAL_DIR = "device_memory"
+DEVICE_FIELDS = tuple(f"dev_{p}_gib" for p in PHASES)
+"""The per-rank device-level peaks the worker stats gather (trainer.observability.workerstats)."""
+
+
+class DevicePhases:
+    """The training loop's per-phase device peaks: one sampler thread per rank reads the
+    device-level figure (`DeviceMemory.used`) every `interval_s` and charges it to the phase
+    the loop is in; `enter(name)` moves to the next phase. Peaks are the largest since the
+    run started, per phase. The thread ends when this object is dropped or `close()`d.
+
+    The worker stats drive it (trainer.observability.workerstats): load until the first
+    step, the first step, the steady steps, eval, and after each record the checkpoint or
+    export that follows it."""
+
+    def __init__(self, device: Any = None, interval_s: float = 0.05):
+        self.meter = DeviceMemory(device)
+        self.interval_s = interval_s
+        self.phase = "load"
+        self.peaks: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sample()
+        ref = _weak(self)
+        stop = self._stop
+        self._thread = threading.Thread(
+            target=_sampler, args=(ref, stop, interval_s), name="device-memory", daemon=True
+        )
+        self._thread.start()
+
+    def _sample(self) -> None:
+        used = float(self.meter.used())
+        with self._lock:
+            if used > self.peaks.get(self.phase, 0.0):
+                self.peaks[self.phase] = used
+
+    def enter(self, name: str) -> None:
+        if name == self.phase:
+            return
+        self._sample()  # the phase that ends gets what is in use at its end
+        with self._lock:
+            self.phase = name
+        self._sample()
+
+    def on_step_phase(self, name: str, steps_done: int) -> None:
+        """A step phase of the worker stats began: data starts the first or a steady step;
+        eval is its own phase."""
+        if name == "eval":
+            self.enter("eval")
+        elif name == "data":
+            self.enter("first_step" if steps_done == 0 else "steady_step")
+
+    def publishing(self, save: bool, export: bool) -> None:
+        """What follows a step's record: an export or a checkpoint is its own phase."""
+        if export:
+            self.enter("export")
+        elif save:
+            self.enter("checkpoint")
+
+    def values(self) -> dict[str, float]:
+        self._sample()
+        with self._lock:
+            return {f"dev_{p}_gib": self.peaks.get(p, 0.0) / 2**30 for p in PHASES}
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def write_final(self, run: Any, rank: int) -> None:
+        """Every phase's peak at the end of an attempt, beside the run's records
+        (<run>/device_memory/rank<N>.json): the checkpoint and export after the last record
+        never reach the metrics. A write that fails costs the run nothing."""
+        import json
+        import logging
+
+        values = {**self.values(), "rank": rank, "kind": "cuda" if self.meter.cuda else "rss"}
+        if self.meter.cuda:  # which GPU: the planner's history compares like with like
+            values["device"] = self.meter.torch.cuda.get_device_name(self.meter.device)
+        try:
+            folder = run.join(FINAL_DIR)
+            if not run.is_s3:
+                run.fs.create_dir(folder.path, recursive=True)
+            with run.fs.open_output_stream(folder.join(f"rank{rank}.json").path) as f:
+                f.write(json.dumps(values).encode())
+        except Exception as exc:  # the peaks are a report, never a reason to fail the run
+            logging.getLogger(__name__).warning("device memory: not written (%s)", exc)
+        self.close()
+
+
+def read_final(run: Any) -> list[dict[str, Any]]:
+    """The ranks' final per-phase peaks (write_final), by rank; empty when none were written."""
+    import json
+
+    from pyarrow import fs as pafs
+
+    try:
+        infos = run.fs.get_file_info(pafs.FileSelector(run.join(FINAL_DIR).path))
+    except (OSError, FileNotFoundError):
+        return []
+    rows = []
+    for info in infos:
+        if info.base_name.startswith("rank") and info.base_name.endswith(".json"):
+            with run.fs.open_input_stream(info.path) as f:
+                rows.append(json.loads(f.read().decode()))
+    return sorted(rows, key=lambda r: r.get("rank", 0))
+
+
+def _weak(obj: Any) -> Any:
+    import weakref
+
+    return weakref.ref(obj)
+
+
+def _sampler(ref: Any, stop: threading.Event, interval_s: float) -> None:
+    while not stop.wait(interval_s):
+        obj = ref()
+        if obj is None:
+            return
+        try:
+            obj._sample()
+        except Exception:  # a device gone at shutdown: stop sampling
+            return
+        del obj

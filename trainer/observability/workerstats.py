@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.observability.device_memory import DEVICE_FIELDS, DevicePhases
+
 log = logging.getLogger(__name__)
 
 GIB = 1024**3
@@ -33,7 +35,7 @@ PHASES = ("data", "fwd_bwd", "optim", "ckpt", "eval", "snap")
 RAM tier's snapshot stall (trainer.checkpoint.memory), `ckpt` the storage checkpoint's."""
 MEMORY = ("mem_peak_gib", "mem_reserved_gib", "mem_peak_pct", "host_rss_gib")
 COUNTERS = ("alloc_retries", "ooms")
-FIELDS = (*MEMORY, *COUNTERS, *(f"t_{p}_s" for p in PHASES))
+FIELDS = (*MEMORY, *COUNTERS, *(f"t_{p}_s" for p in PHASES), *DEVICE_FIELDS)
 """The per-rank values, in the order of the gathered vector."""
 
 
@@ -164,18 +166,23 @@ class WorkerStats:
         self.per_rank_every = per_rank_every
         self.timer = StepTimer()
         self.memory = MemoryProbe(device)
+        self.device_phases = DevicePhases(device)  # device-level peak per phase (issue 47)
         self.gauges = gauges
         self._records = 0
+        self._steps_done = 0
 
     def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        self.device_phases.on_step_phase(name, self._steps_done)
         return self.timer.phase(name)
 
     def step_done(self) -> None:
         self.timer.steps += 1
+        self._steps_done += 1
 
     def local(self) -> dict[str, float]:
         values = self.memory.sample()
         values.update(self.timer.take())
+        values.update(self.device_phases.values())
         return values
 
     def gather(self) -> dict[str, Any]:

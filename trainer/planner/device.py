@@ -218,3 +218,13 @@ def margin(
     if history_shortfall is not None and history_shortfall > best:
         best, why = float(history_shortfall), f"past {s.strategy} runs measured above plan"
     return best, why
+
+
+def kind_of(device_name: str | None) -> str | None:
+    """The catalog's GPU kind for a device name as torch reports it ('NVIDIA H200' -> 'H200')."""
+    import re
+
+    if not device_name:
+        return None
+    words = set(re.split(r"[^A-Z0-9]+", device_name.upper()))
+    return next((k for k in catalog()["gpus"] if k.upper() in words), None)

@@ -195,6 +195,7 @@ def plan_from_args(cfg: JobConfig, args: Any) -> Plan:
         gpu_model = pool.gpu_model if pool is not None else None
         given = getattr(args, "calibration", None)
         found = calib.read(given) if given else calib.find(cfg.storage.path, gpu_model)
+        shortfall, history = _history(cfg, gpu_model)
         return plan_job(
             cfg,
             args.instance,
@@ -206,9 +207,26 @@ def plan_from_args(cfg: JobConfig, args: Any) -> Plan:
             mfu=args.mfu,
             read_text=read_text,
             calibration=found,
+            history_shortfall=shortfall,
+            history=history,
         )
     except KeyError as exc:  # an instance type the catalog does not have
         raise UserError(str(exc.args[0])) from None
+
+
+def _history(cfg: JobConfig, gpu_model: str | None) -> tuple[float | None, list[str]]:
+    """How past runs of this GPU kind and strategy under the job's storage path compared
+    with their plans (trainer.planner.history)."""
+    from trainer.planner import history
+    from trainer.planner.memory import Setup
+
+    if not cfg.scaling.use_gpu or not gpu_model:
+        return None, []
+    try:
+        strategy = Setup.from_config(cfg).strategy
+    except Exception:  # the plan itself reports what is wrong with the job
+        return None, []
+    return history.assess(history.past_runs(cfg.storage.path, gpu_model, strategy))
 
 
 def submit_refusal(cfg: JobConfig, args: Any) -> str | None:

@@ -47,3 +47,30 @@ def test_a_phase_keeps_its_largest_run():
     with dm.phase("eval"):
         pass
     assert dm.peaks["eval"]["device_peak"] == once
+
+
+def test_the_loops_phases_and_the_final_write(tmp_path):
+    from trainer.observability.device_memory import DevicePhases, read_final
+    from trainer.storage.location import resolve
+
+    dp = DevicePhases("cpu", interval_s=0.005)
+    assert dp.phase == "load"
+    dp.on_step_phase("data", steps_done=0)
+    big = torch.ones(128 * MIB // 4)
+    dp.on_step_phase("fwd_bwd", steps_done=0)  # not a phase change
+    del big
+    dp.on_step_phase("data", steps_done=1)
+    dp.on_step_phase("eval", steps_done=1)
+    dp.publishing(save=True, export=False)
+    assert dp.phase == "checkpoint"
+    dp.publishing(save=True, export=True)
+    assert dp.phase == "export"
+    values = dp.values()
+    assert values["dev_first_step_gib"] >= values["dev_load_gib"] + 100 / 1024
+    assert all(values[f"dev_{p}_gib"] > 0 for p in ("steady_step", "eval", "checkpoint"))
+    run = resolve(str(tmp_path / "run"))
+    dp.write_final(run, 1)
+    rows = read_final(run)
+    assert [r["rank"] for r in rows] == [1] and rows[0]["kind"] == "rss"
+    assert rows[0]["dev_first_step_gib"] == values["dev_first_step_gib"]
+    assert read_final(resolve(str(tmp_path / "nothing"))) == []

@@ -175,3 +175,35 @@ def test_every_catalog_gpu_has_its_device_figures_and_a_source():
     for inst in load_instances().values():
         if inst.gpu_model:
             assert inst.gpu_model in cat["gpus"], inst.name
+
+
+def test_plan_reads_past_runs_and_widens_the_margin_when_they_measured_above_plan(tmp_path, capsys):
+    from trainer.__main__ import main
+    from trainer.planner.memory import Setup as S
+
+    job = llama7b_job(tmp_path)
+    sets = ["strategy.name=fsdp", "scaling.num_workers=16", "model.gradient_checkpointing=true"]
+    cfg = load_config(job, sets)
+    planned = rank_memory(L7, S.from_config(cfg), "A10G").total
+    args = ["plan", str(job), "--instance", "g5.xlarge", "--json"]
+    args += [x for s in sets for x in ("--set", s)]
+    assert main(args) in (0, 2)
+    assert json.loads(capsys.readouterr().out)["margin"] == 0.05  # no history yet
+
+    def past(name: str, ratio: float, gpu: str = "NVIDIA A10G") -> None:
+        run = tmp_path / "runs" / name
+        (run / "device_memory").mkdir(parents=True)
+        (run / "job.json").write_text(json.dumps({"config": cfg.model_dump(mode="json")}))
+        peak = {"rank": 0, "kind": "cuda", "device": gpu, "dev_steady_step_gib": 0.0}
+        peak["dev_steady_step_gib"] = ratio * planned / GIB
+        (run / "device_memory" / "rank0.json").write_text(json.dumps(peak))
+
+    past("under", 0.9)
+    past("over", 1.2)
+    past("other-gpu", 2.0, gpu="NVIDIA H200")  # another GPU kind: not this plan's evidence
+    assert main(args) in (0, 2)
+    out = json.loads(capsys.readouterr().out)
+    assert out["margin"] == pytest.approx(0.2)
+    assert out["margin_why"] == "past fsdp runs measured above plan"
+    assert out["history"][0].startswith("history: 2 past fsdp run(s) on A10G")
+    assert "from 0.90 to 1.20" in out["history"][0]
