@@ -2,8 +2,9 @@
 of pairs, through the strategy's own train_micro (its precision, backward, gradient
 reduction) and step (its global grad norm). The summed loss and the grad norm must equal
 one process computing the whole batch (the objective TRL's losses are checked against in
-tests/unit/objectives), to 1e-5 relative: DDP, FSDP2 and ZeRO-3 against a precomputed
-reference column, LoRA on DDP and on FSDP2 against the adapter-off reference."""
+tests/unit/objectives), to 1e-5 relative: DDP, FSDP2, ZeRO-2 and ZeRO-3 against a
+precomputed reference column, LoRA on DDP and on FSDP2 and QLoRA on DDP (bitsandbytes'
+4-bit base) against the adapter-off reference."""
 
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ PAIRS, BLOCK = 4, 16
 LAYOUTS = {
     "ddp": ({"name": "ddp"}, "none"),
     "fsdp": ({"name": "fsdp"}, "none"),
+    "zero2": ({"name": "deepspeed", "config": "zero2"}, "none"),
     "zero3": ({"name": "deepspeed", "config": "zero3"}, "none"),
     "ddp-lora": ({"name": "ddp"}, "lora"),
     "fsdp-lora": ({"name": "fsdp"}, "lora"),
+    "ddp-qlora": ({"name": "ddp"}, "qlora"),
 }
 
 
@@ -109,7 +112,7 @@ def _single(model_dir: str, vocab: int) -> dict[str, tuple[float, float]]:
 
     ids, labels, ref = _batch(vocab)
     out = {}
-    for adapter in ("none", "lora"):
+    for adapter in ("none", "lora", "qlora"):
         torch.manual_seed(0)
         s = build_strategy(_cfg(model_dir, {"name": "ddp"}, adapter, 1), torch.device("cpu"), 0, 1)
         s.setup(ModelSource(Path(model_dir), vocab))
