@@ -1,6 +1,8 @@
 """The preference loss on every strategy: 2 gloo workers (no Ray), each a half of one batch
 of pairs, through the strategy's own train_micro (its precision, backward, gradient
-reduction) and step (its global grad norm). The summed loss and the grad norm must equal
+reduction) and step (its global grad norm); before it, each full-weight strategy's own
+reference pass over a pair cache, sharded over the 2 ranks, must give a live reference
+model's log-probs. The summed loss and the grad norm must equal
 one process computing the whole batch (the objective TRL's losses are checked against in
 tests/unit/objectives), to 1e-5 relative: DDP, FSDP2, ZeRO-2 and ZeRO-3 against a
 precomputed reference column, LoRA on DDP and on FSDP2 and QLoRA on DDP (bitsandbytes'
@@ -10,9 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -79,9 +84,14 @@ def _half(rank: int, world: int) -> torch.Tensor:
     return torch.cat([mine, mine + PAIRS])
 
 
-def _worker(rank: int, world: int, init: str, model_dir: str, vocab: int, out: str) -> None:
+def _worker(
+    rank: int, world: int, init: str, model_dir: str, vocab: int, out: str, caches: str
+) -> None:
     import torch.distributed as dist
 
+    from trainer.data.tokenize import TokenCache
+    from trainer.objectives.pairs import PairBlocks
+    from trainer.objectives.reference import ensure_reference
     from trainer.strategies.base import ModelSource, build_strategy
 
     torch.set_num_threads(1)
@@ -97,6 +107,13 @@ def _worker(rank: int, world: int, init: str, model_dir: str, vocab: int, out: s
         )
         s.setup(ModelSource(Path(model_dir), vocab))
         s.model.train()
+        if adapter == "none":  # the reference pass, sharded over the ranks, before a step
+            pairs = PairBlocks(TokenCache(Path(caches) / name), BLOCK)
+            rt = SimpleNamespace(
+                rank=rank, world_size=world, barrier=dist.barrier, run=SimpleNamespace(uri=out)
+            )
+            ensure_reference(s.cfg, s, pairs, rt)
+            result[f"{name}-reference"] = pairs.reference.tolist()
         result[name] = _run(s, ids, labels, ref, _half(rank, world), world)
         dist.barrier()
         del s
@@ -121,6 +138,33 @@ def _single(model_dir: str, vocab: int) -> dict[str, tuple[float, float]]:
     return out
 
 
+def _pair_caches(tiny, tmp: Path) -> tuple[Path, torch.Tensor]:
+    """A pair cache per full-weight layout (each computes its own reference pass), and the
+    log-probs a live reference model gives its sequences."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.support.preference import write_pairs
+    from trainer.data.tokenize import Settings, prepare
+    from trainer.objectives.losses import sequence_logps
+    from trainer.objectives.pairs import PairBlocks, data_options
+
+    model_dir = str(tiny["model"])
+    cfg = _cfg(model_dir, {"name": "ddp"}, "none", 2)
+    opts = data_options(cfg, Settings(block_size=BLOCK))
+    rows = write_pairs(tmp / "pairs.jsonl", 7)  # odd: the last batch is padded
+    cache = prepare(str(rows), AutoTokenizer.from_pretrained(model_dir), cache_root=str(tmp),
+                    progress=False, **opts)  # fmt: skip
+    root = tmp / "per-layout"
+    for name, (_, adapter) in LAYOUTS.items():
+        if adapter == "none":
+            shutil.copytree(cache.dir, root / name)
+    blocks = PairBlocks(cache, BLOCK).blocks
+    ids, labels = (torch.from_numpy(a) for a in blocks.gather(np.arange(len(blocks))))
+    live = AutoModelForCausalLM.from_pretrained(model_dir).float().eval()
+    with torch.no_grad():
+        return root, sequence_logps(live(input_ids=ids).logits, labels)[0].double()
+
+
 def test_preference_loss_and_grads_on_every_strategy(tiny, tmp_path, monkeypatch):
     import torch.multiprocessing as mp
     from transformers import AutoTokenizer
@@ -129,9 +173,15 @@ def test_preference_loss_and_grads_on_every_strategy(tiny, tmp_path, monkeypatch
     model_dir = str(tiny["model"])
     vocab = len(AutoTokenizer.from_pretrained(model_dir))
     out = tmp_path / "losses.json"
+    caches, live = _pair_caches(tiny, tmp_path)
     init = tempfile.mktemp(prefix="pg-", dir=tmp_path)
-    mp.spawn(_worker, args=(2, init, model_dir, vocab, str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, init, model_dir, vocab, str(out), str(caches)), nprocs=2, join=True)
     got = json.loads(out.read_text())
+    for name, (_, adapter) in LAYOUTS.items():
+        if adapter == "none":  # each strategy's reference pass gives the live model's
+            torch.testing.assert_close(
+                torch.tensor(got[f"{name}-reference"], dtype=torch.float64), live, rtol=1e-5, atol=0
+            )
     single = _single(model_dir, vocab)
     assert single["none"][0] != pytest.approx(single["lora"][0])  # the reference matters
     for name, (_, adapter) in LAYOUTS.items():
