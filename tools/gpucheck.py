@@ -189,7 +189,7 @@ def table(results: list[dict[str, Any]], gpu: bool) -> str:
     mem = "reserved/alloc MiB" if gpu else "peak RSS MiB"
     head = (
         f"{'gpus':>4} {'strategy':<14} {'params':>7} {'loss':>15} {'tokens/s':>9} {'MFU':>6} "
-        f"{mem:>20} {'pred/meas':>9}  verdict"
+        f"{mem:>20} {'pred/meas':>9} {'÷bare':>6}  verdict"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -201,11 +201,13 @@ def table(results: list[dict[str, Any]], gpu: bool) -> str:
             m = _mib(r.get("peak_rss"))
         mfu = r.get("mfu")
         ratio = r.get("predicted_over_measured")
+        bare = "-" if r.get("vs_bare") is None else f"{r['vs_bare']:.2f}"
         verdict = "PASS" if not r["problems"] else "FAIL: " + "; ".join(r["problems"])
         lines.append(
             f"{r['world']:>4} {r['strategy']:<14} {r.get('params', 0) / 1e6:>6.1f}M {loss:>15} "
             f"{r.get('tokens_per_s') or 0:>9,.0f} {'-' if mfu is None else f'{mfu:.1%}':>6} "
-            f"{m:>20} {'-' if ratio is None else f'{ratio:.2f}':>9}"
+            f"{m:>20} {'-' if ratio is None else f'{ratio:.2f}':>9} "
+            f"{bare:>6}"
             f"{'' if gpu else ' (not judged)'}  {verdict}"
         )
     return "\n".join(lines)
@@ -383,6 +385,7 @@ class Job:
             "job": str(self.storage / "job.yaml"),
             "stop_at": self.stop_at,
             "out": str(self.ranks_dir),
+            "name": self.name,
         }
 
 
@@ -439,6 +442,9 @@ def collect(job: Job, rc: int, log: Path, peak: float | None) -> dict[str, Any]:
     timed = [r["tokens_per_s"] for r in steps if r["step"] not in (1, job.stop_at + 1)]
     timed = timed or [r["tokens_per_s"] for r in steps]
     result["tokens_per_s"] = sorted(timed)[len(timed) // 2]
+    bare = ranks[0].get("bare_tokens_per_s")
+    result["bare_tokens_per_s"] = bare
+    result["vs_bare"] = result["tokens_per_s"] / bare if bare else None
     shape = shape_for_job(cfg)
     setup, mem = _plan(cfg, shape)
     result["params"] = shape.params
@@ -455,6 +461,9 @@ def collect(job: Job, rc: int, log: Path, peak: float | None) -> dict[str, Any]:
         result["predicted"] = mem.total - mem.overhead
         result["predicted_over_measured"] = result["predicted"] / result["max_memory_reserved"]
         result.update(device_figures(shape, setup, device, ranks))
+        steps_after = max(1, job.size.steps - job.stop_at)
+        result["syncs_per_step"] = ranks[0].get("syncs", 0) / steps_after
+        result["sync_sites"] = ranks[0].get("sync_sites")
         peak = peak or peak_flops(device, "bf16")
         result["peak_flops"] = peak
         per_device = result["tokens_per_s"] / world
@@ -652,6 +661,10 @@ def main(argv: list[str] | None = None) -> int:
         if cal is not None:
             print(f"calibration: {cal.write(args.out / 'calibration.json')}")
     print(table(results, gpu))
+    for r in results if gpu else []:
+        if r.get("sync_sites") is not None:
+            sites = ", ".join(f"{s} ×{n}" for s, n in r["sync_sites"])
+            print(f"syncs: {r['strategy']}: {r['syncs_per_step']:.1f} per step ({sites})")
     print(f"report: {args.out / 'report.json'}, {args.out / 'report.png'}")
     if not gpu:
         print(

@@ -57,10 +57,10 @@ def run_job(cfg) -> dict:
     if rank == 0:  # the job record `raylift report` plans again (planned against measured)
         launch._record_job(cfg, run_location(cfg))
     export = latest_export(run_location(cfg))
-    return {"metrics": last, "export": export.uri if export is not None else None}
+    return {"metrics": last, "export": export.uri if export is not None else None, "prep": prep}
 
 
-def run(job: Path, stop_at: int, out: Path) -> None:
+def run(job: Path, stop_at: int, out: Path, name: str = "") -> None:
     import torch
 
     from trainer.config import load_config
@@ -75,7 +75,7 @@ def run(job: Path, stop_at: int, out: Path) -> None:
         # reservation), sampled through the first part; the allocator's own beside it.
         meter = DeviceMemory(torch.device("cuda", torch.cuda.current_device()), settle=True)
         with meter.phase("first_part"):
-            run_job(load_config(job, [f"train.stop_at_step={stop_at}"]))
+            first = run_job(load_config(job, [f"train.stop_at_step={stop_at}"]))
         row = meter.peaks["first_part"]
         mem = {
             "max_memory_reserved": torch.cuda.max_memory_reserved(),
@@ -88,12 +88,43 @@ def run(job: Path, stop_at: int, out: Path) -> None:
         }
     else:
         base = _status("VmRSS:")
-        run_job(load_config(job, [f"train.stop_at_step={stop_at}"]))
+        first = run_job(load_config(job, [f"train.stop_at_step={stop_at}"]))
         mem = {"peak_rss": _status("VmHWM:") - base, "device": "cpu"}
+    # The same model, data and batch through the framework's own bare loop (tools/gpucheck_bare).
+    from tools.gpucheck_bare import bare_tokens_per_s
+
+    cfg = load_config(job, [])
+    mem["bare_tokens_per_s"] = bare_tokens_per_s(cfg, first["prep"], name)
     _reset_peaks(gpu)
-    summary = run_job(load_config(job, []))
+    if gpu:
+        summary, mem["syncs"], mem["sync_sites"] = _counting_syncs(load_config(job, []))
+    else:
+        summary = run_job(load_config(job, []))
+    summary.pop("prep", None)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({**mem, "summary": summary}, default=str))
+
+
+def _counting_syncs(cfg) -> tuple[dict, int, list[tuple[str, int]]]:
+    """The second part (resume to the end) with torch.cuda.set_sync_debug_mode("warn"):
+    every host-device synchronisation warns once per call site and step; their count and
+    the five most frequent sites. It counts the whole part (checkpoint, export included),
+    not only the steady steps."""
+    import collections
+    import warnings
+
+    import torch
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            summary = run_job(cfg)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+    return summary, len(syncs), sites.most_common(5)
 
 
 CONTEXT: dict[str, int] = {}
@@ -132,7 +163,7 @@ def main() -> None:
     _measure_context()
     init_process_group(first.backend)
     for item in items:
-        run(Path(item["job"]), int(item["stop_at"]), Path(item["out"]))
+        run(Path(item["job"]), int(item["stop_at"]), Path(item["out"]), item.get("name", ""))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -40,6 +40,16 @@ def test_cpu_self_check_trains_resumes_and_exports_every_strategy(ds_cpu_adam, t
         assert r["resumed_from"] == r["stop_at"] == gpucheck.CPU_SIZE.steps // 2, name
         assert r["export_ok"] and r["tokens_per_s"] > 0 and r["mfu"] is None, name
         assert len(r["per_rank"]) == 2 and all(x["peak_rss"] > 0 for x in r["per_rank"]), name
+    # Beside each full fine-tuning strategy, the framework's own bare loop on the same model
+    # and batch (tools/gpucheck_bare.py): the ratio is printed, not judged on CPU.
+    from tools.gpucheck_bare import FRAMEWORKS
+
+    for name, r in rows.items():
+        if name in FRAMEWORKS:
+            assert r["bare_tokens_per_s"] > 0 and r["vs_bare"] > 0, name
+        else:
+            assert r["vs_bare"] is None, name
+    assert "÷bare" in done.stdout
     # The table names every strategy once, and the PNG is written beside the JSON.
     table = done.stdout[done.stdout.index("strategy") :]
     assert all(f" {name} " in table for name in gpucheck.STRATEGIES)

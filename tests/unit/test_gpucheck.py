@@ -77,6 +77,9 @@ def test_table_and_plot(tmp_path):
     rows = [_result(problems=[]), _result(strategy="zero3", problems=["loss did not fall ([])"])]
     text = gpucheck.table(rows, gpu=True)
     assert "40.0%" in text and "1.10" in text and "PASS" in text
+    assert "÷bare" in text and gpucheck.table([_result(problems=[], vs_bare=0.97)], True).count(
+        "0.97"
+    )
     assert "FAIL: loss did not fall" in text
     assert "(not judged)" in gpucheck.table(rows, gpu=False)
     png = gpucheck.plot(rows, tmp_path / "r.png", gpu=True)
