@@ -402,15 +402,16 @@ class CheckpointManager:
         periodic = self.export_every is not None and step % self.export_every == 0
         return self.enabled and ((step == end and final) or periodic)
 
-    def save(self, extra: dict[str, Any]) -> Path:
+    def save(self, extra: dict[str, Any], out: Path | None = None) -> Path:
         """Write this rank's share of a checkpoint into a fresh local folder (the runtime
-        uploads it) and its manifest. Collective: every rank calls it. Parts that stage
+        uploads it; `out`: a folder to use instead, the RAM tier's in memory) and its
+        manifest. Collective: every rank calls it. Parts that stage
         are only copied here; their files and the manifest are written in the background
         (`trainer.checkpoint.staging`), and the runtime's upload waits for them."""
         step = self.train_state.step
         started = time.monotonic()
         tier = "memory" if extra.get("snapshot") else "storage"
-        out = scratch_dir(f"raylift-ckpt-{step}-r{self.rank}-")
+        out = out or scratch_dir(f"raylift-ckpt-{step}-r{self.rank}-")
         writers: list[staging.Writer] = []
         for part in self.parts.values():
             stage = getattr(part, "stage", None)
