@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchutil import ROOT, Check, results_dir, run_benchmark, size
+from benchutil import ROOT, Check, results_dir, run_benchmark, size, smoke
 
 from tests.support.bench_inputs import VOCAB, make_model
 
@@ -49,6 +49,42 @@ CASES: dict[str, dict[str, Any]] = {
         "adapter": "qlora",
     },
 }
+
+
+FAMILY_CASES: dict[str, dict[str, Any]] = {
+    **{
+        f"{fam}_b4_s256": {"strategy": {"name": "ddp"}, "micro": 4, "block": 256, "family": fam}
+        for fam in ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3")
+    },
+    "gemma2_lora_b4_s256": {
+        "strategy": {"name": "ddp"},
+        "micro": 4,
+        "block": 256,
+        "adapter": "lora",
+        "family": "gemma2",
+    },
+    "phi3_fsdp_lora_b4_s256": {
+        "strategy": {"name": "fsdp"},
+        "micro": 4,
+        "block": 256,
+        "adapter": "lora",
+        "family": "phi3",
+    },
+}
+"""Each family's own layout (fused qkv, four norms, soft-capping, eager attention, tied
+embeddings; tests/support/families.py at the bench's sizes), planned from its config.json.
+Full runs only: a smoke run keeps to the Llama cases."""
+
+
+def family_model(out: Path, family: str, hidden: int, layers: int) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.families import family_config
+
+    if not (out / "config.json").exists():
+        conf = family_config(family, VOCAB, hidden=hidden, layers=layers)
+        AutoModelForCausalLM.from_config(conf).save_pretrained(out, safe_serialization=True)
+    return out
 
 
 def job(case: dict[str, Any], model_dir: Path) -> dict[str, Any]:
@@ -143,7 +179,18 @@ def test_planner_accuracy():
     hidden = size("RAYLIFT_BENCH_PLAN_HIDDEN", 512, 64)
     layers = size("RAYLIFT_BENCH_PLAN_LAYERS", 4, 2)
     model_dir = make_model(results_dir() / f"planner_model_h{hidden}_l{layers}", hidden, layers)
-    jobs = {name: job(case, model_dir) for name, case in CASES.items()}
+    cases = {**CASES, **({} if smoke() else FAMILY_CASES)}
+    picked = [c for c in os.environ.get("RAYLIFT_BENCH_PLAN_CASES", "").split(",") if c]
+    cases = {k: v for k, v in cases.items() if not picked or k in picked}
+
+    def folder(case: dict[str, Any]) -> Path:
+        fam = case.get("family")
+        if fam is None:
+            return model_dir
+        out = results_dir() / f"planner_{fam}_h{hidden}_l{layers}"
+        return family_model(out, fam, hidden, layers)
+
+    jobs = {name: job(case, folder(case)) for name, case in cases.items()}
     pred = {name: predicted(cfg) for name, cfg in jobs.items()}
 
     def command(name: str):
@@ -160,18 +207,18 @@ def test_planner_accuracy():
             0.15,
             higher_is_better=False,
         )
-        for name in CASES
+        for name in cases
     ]
     checks += [
         Check(f"{name}_ratio", lambda r, n=name: r[n]["predicted_mib"] / r[n]["measured_mib"])
-        for name in CASES
+        for name in cases
     ]
     run_benchmark(
         "planner",
         title="Planner: predicted / measured peak memory per rank (CPU, fp32)",
-        commands={name: command(name) for name in CASES},
+        commands={name: command(name) for name in cases},
         checks=checks,
         metric="measured_mib",
         unit="MiB",
-        setup={"hidden": hidden, "layers": layers, "vocab": VOCAB, "cases": CASES},
+        setup={"hidden": hidden, "layers": layers, "vocab": VOCAB, "cases": cases},
     )

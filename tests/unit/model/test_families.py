@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import peft
 import pytest
@@ -214,3 +215,30 @@ def test_fsdp2_keeps_tied_embeddings_tied(family, folders):
     with torch.no_grad():
         got = s.model.eval()(input_ids=x).logits
         assert (got - ref(input_ids=x).logits).abs().max() <= 1e-5
+
+
+def test_the_plan_says_what_the_family_gets_and_preflight_refuses_sdpa_for_gemma2(
+    folders, tiny, tmp_path
+):
+    from trainer import preflight
+    from trainer.planner import plan, report
+
+    def job(family: str, **model: Any) -> Any:
+        return load_config(
+            {
+                "model": {"path": str(folders[family]), "adapter": "lora", **model},
+                "data": {"train_file": str(tiny["train"]), "block_size": 32},
+                "scaling": {"num_workers": 1},
+                "storage": {"path": str(tmp_path / "runs")},
+                "run": {"name": "plan"},
+            }
+        )
+
+    head = report.format_plan(plan.plan_job(job("gemma2"))).splitlines()[0]
+    assert "lora r=8 on q_proj,v_proj" in head and head.endswith("eager attention")
+    head = report.format_plan(plan.plan_job(job("phi3"))).splitlines()[0]
+    assert "on qkv_proj,o_proj,gate_up_proj,down_proj" in head and "sdpa attention" in head
+    assert preflight.run_all(job("gemma2"), strict=False).notes == []
+    with pytest.raises(ConfigError) as exc:
+        preflight.run_all(job("gemma2", attn_implementation="sdpa"), strict=False)
+    assert str(exc.value).startswith("model.attn_implementation sdpa: Gemma2ForCausalLM (")
