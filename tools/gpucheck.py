@@ -322,6 +322,8 @@ def torchrun(args: list[str], world: int, log: Path, timeout: float, gpu: bool) 
     )
     if not gpu:
         env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    else:  # rank 0's profiler trace of each job's second part, beside the report
+        env.setdefault("GPUCHECK_TRACES", str(log.parent.parent / "traces"))
     cmd = [
         sys.executable,
         "-m",

@@ -14,6 +14,7 @@ second default group after the first is destroyed); on GPUs each job gets its ow
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -117,7 +118,7 @@ def _counting_syncs(cfg) -> tuple[dict, int, list[tuple[str, int]]]:
 
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, _profiled(cfg):
             warnings.simplefilter("always")
             summary = run_job(cfg)
     finally:
@@ -125,6 +126,51 @@ def _counting_syncs(cfg) -> tuple[dict, int, list[tuple[str, int]]]:
     syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
     sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
     return summary, len(syncs), sites.most_common(5)
+
+
+TRACE_LIMIT = 40 * 2**20
+"""A gzipped trace larger than this is not kept (the lease brings back what fits)."""
+
+
+@contextlib.contextmanager
+def _profiled(cfg):
+    """Rank 0's torch.profiler trace (CPU and CUDA activity) of the second part, gzipped
+    beside the report: <out>/traces/<run name>.json.gz. A profiler that fails costs the
+    job nothing."""
+    import gzip
+    import shutil
+
+    import torch
+
+    out = os.environ.get("GPUCHECK_TRACES")
+    if not out or int(os.environ.get("RANK", "0")) != 0:
+        yield
+        return
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    try:
+        prof = torch.profiler.profile(activities=acts)
+        prof.__enter__()
+    except Exception as exc:  # no CUPTI here: no trace
+        print(f"gpucheck: no profiler trace ({exc})", flush=True)
+        yield
+        return
+    try:
+        yield
+    finally:
+        try:
+            prof.__exit__(None, None, None)
+            folder = Path(out)
+            folder.mkdir(parents=True, exist_ok=True)
+            raw = folder / f"{cfg.run.name}.json"
+            prof.export_chrome_trace(str(raw))
+            with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            raw.unlink()
+            if Path(f"{raw}.gz").stat().st_size > TRACE_LIMIT:
+                Path(f"{raw}.gz").unlink()
+                print(f"gpucheck: trace of {cfg.run.name} over {TRACE_LIMIT >> 20} MiB: dropped")
+        except Exception as exc:  # a trace is a report, never a failure
+            print(f"gpucheck: trace of {cfg.run.name} not written ({exc})", flush=True)
 
 
 CONTEXT: dict[str, int] = {}

@@ -143,3 +143,24 @@ def test_the_calibration_is_made_from_the_measured_rows_and_round_trips(tmp_path
     back = calibration.read(cal.write(tmp_path / "calibration.json"))
     assert back.to_dict() == cal.to_dict()
     assert gpucheck.calibration_from([_gpu_row("ddp", 1, gib, None)], meta) is None
+
+
+def test_rank_zero_writes_a_gzipped_profiler_trace_beside_the_report(tmp_path, monkeypatch):
+    import gzip
+    import types
+
+    import torch
+
+    from tools import gpucheck_worker
+
+    cfg = types.SimpleNamespace(run=types.SimpleNamespace(name="gpucheck-ddp"))
+    monkeypatch.setenv("GPUCHECK_TRACES", str(tmp_path / "traces"))
+    monkeypatch.setenv("RANK", "0")
+    with gpucheck_worker._profiled(cfg):
+        (torch.ones(32, 32) @ torch.ones(32, 32)).sum()
+    trace = json.loads(gzip.decompress((tmp_path / "traces" / "gpucheck-ddp.json.gz").read_bytes()))
+    assert any("mm" in e.get("name", "") for e in trace["traceEvents"])
+    monkeypatch.setenv("RANK", "1")  # other ranks write none
+    with gpucheck_worker._profiled(types.SimpleNamespace(run=types.SimpleNamespace(name="x"))):
+        pass
+    assert not (tmp_path / "traces" / "x.json.gz").exists()
