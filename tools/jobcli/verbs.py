@@ -95,7 +95,8 @@ def status(args: argparse.Namespace, client: Any, target: cluster.Target) -> int
             if wait is not None and not wait.get("started"):
                 lines += [("waiting", text.strip()) for text in waiting.lines(wait)]
     else:
-        lines += [("cost", text.removeprefix("cost: ")) for text in submission_cost_lines(meta)]
+        # "cost: ..." and the planned-against-measured "memory: ..." lines, each by its label
+        lines += [text.partition(": ")[::2] for text in submission_cost_lines(meta)]
         lines += [("goodput", t.split(": ", 1)[1]) for t in submission_goodput_lines(meta)]
     if job.message and state not in runs.LIVE:
         lines.append(("ray", job.message.strip().splitlines()[-1]))
