@@ -3,8 +3,9 @@ Llama with its reference log-probs precomputed before step 1, on a synthetic set
 can learn (the chosen answer states "The answer is N.", the rejected one hedges).
 
 The job is killed twice: once in the reference pass (the group restarts and runs the pass
-again) and once in training between checkpoints (it resumes from the checkpoint, reads the
-stored reference back, and retrains the lost steps to the same losses). Then the export,
+again) and once in training between checkpoints (it reads the stored reference back
+instead of running the pass again, resumes from the checkpoint, and retrains the lost steps
+to the same losses). Then the export,
 a plain Hugging Face folder, is scored on held-out pairs against the base model."""
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def test_dpo_learns_preferences_and_survives_kills(ray_cluster, tiny, tmp_path):
     env = {"RAYLIFT_FAULT_KILL_IN_REFERENCE": "5", "RAYLIFT_FAULT_KILL_AFTER_STEP": "11"}
     cfg, _, logs = run_to_end(ray_cluster, path, env=env)
     assert "killing rank 1 in the reference pass" in logs
+    # Attempt 1 died in the pass, attempt 2 ran it, attempt 3 (the resume) read the file.
+    assert logs.count("reference pass: 320 pairs in") == 1, logs[-4000:]
+    assert logs.count("reference log-probs of 320 pairs from") == 2
     records, steps, _ = history(cfg)
     # Before the first update the policy is the reference: every reward is 0.
     first = next(r for r in records if r.get("step") == 1 and "loss" in r)

@@ -8,8 +8,9 @@ log-prob beside the token cache, in `reference-<key>/logps.npy`, keyed by the re
 model (its path, config and weight files), the precision and the attention kernel; the
 data are the cache's own key. Training reads it back as a column of the batch.
 
-A resubmission or a resume finds the file and skips the pass (a resumed model is no longer
-the reference, so the file is what makes resuming possible at all). A pass cut short (a
+A resubmission or a resume finds the file and skips the pass. The pass runs before the
+loop restores a checkpoint, on the model as loaded, so a lost file costs a pass again,
+never a wrong reference. A pass cut short (a
 SIGKILL, a lost node) leaves no file, only its parts, and the next attempt, which restores
 no checkpoint because none was written before step 1, runs the pass again from the start.
 """
