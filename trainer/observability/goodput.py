@@ -3,8 +3,9 @@
 Paid time is wall time × workers, from the driver's start to the run's last record. It is
 split, from the run's metrics file and journal alone, into:
 
-- `waiting`: waiting for capacity (from the driver's start, or a failure, to the moment a
-  worker group's processes began),
+- `waiting`: waiting for workers: capacity, and the driver's own preparation before it
+  asks for them (from the driver's start, or a failure, to the moment a worker group's
+  processes began),
 - `startup`: start-up (image, model load, tokenizing, the process group) before training,
 - `restore`: reading the checkpoint or snapshot an attempt resumed from,
 - `kept`: steps that are part of the final model,
@@ -42,7 +43,7 @@ PARTS = (
     "tail",
 )
 LABELS = {
-    "waiting": "waiting for capacity",
+    "waiting": "waiting for workers",
     "startup": "start-up",
     "restore": "restore",
     "kept": "steps kept",
