@@ -17,10 +17,10 @@ import sys
 
 from tests.bench.benchutil import ROOT, Check, run_benchmark, size, smoke
 
-HIDDEN = size("RAYLIFT_BENCH_PREF_HIDDEN", 768, 32)
-LAYERS = size("RAYLIFT_BENCH_PREF_LAYERS", 8, 2)
+HIDDEN = size("RAYLIFT_BENCH_PREF_HIDDEN", 512, 32)
+LAYERS = size("RAYLIFT_BENCH_PREF_LAYERS", 4, 2)
 VOCAB = 500 if smoke() else 32000
-PAIRS, BLOCK, STEPS = (2, 16, 2) if smoke() else (2, 128, 3)
+PAIRS, BLOCK, STEPS = (2, 16, 2) if smoke() else (2, 64, 2)
 
 
 def _case(mode: str):
