@@ -236,6 +236,7 @@ def activation_bytes(shape: ModelShape, s: Setup, checkpointing: bool) -> float:
         product = shape.intermediate if "down_proj" in targets else 0
     per_layer = c * (inputs + 2 * shape.q_dim + 2 * shape.kv_dim + 3 * shape.intermediate + product)
     per_layer += shape.norms * (4 + r) * h  # two RMSNorms (Gemma 2/3: four)
+    per_layer += shape.qk_norm * (4 + r) * (shape.q_dim + shape.kv_dim)  # Qwen3, Gemma 3
     if s.eager_attention:  # + the soft-capping tanh's output (Gemma 2)
         per_layer += shape.heads * s.block_size * (4 + c + c * bool(shape.attn_softcap))
     head = (4 + r) * h + r * h
