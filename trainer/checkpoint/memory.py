@@ -365,9 +365,7 @@ class MemoryTier:
     def restore(self) -> tuple[str, int] | None:
         """Collective. Load the newest snapshot every rank can restore that is not older
         than storage's newest complete checkpoint; ("memory-own" | "memory-buddy", step),
-        or None when the attempt must restore from storage (every rank agrees). With
-        `auto`, keepers start at the first snapshot, not here: a run that never took one
-        starts none."""
+        or None when the attempt must restore from storage (every rank agrees)."""
         if not self.active:
             return None
         import ray
@@ -380,9 +378,8 @@ class MemoryTier:
         started = time.monotonic()
         # This node's keeper first (a node that joined after the driver started has none
         # yet), so that the other ranks find it as a buddy once this collective is done.
-        if not self.auto:
-            self._own = _keeper_actor(self.ns, self.node_id)
-            ray.get(self._own.pid.remote(), timeout=CALL_TIMEOUT_S)
+        self._own = _keeper_actor(self.ns, self.node_id)
+        ray.get(self._own.pid.remote(), timeout=CALL_TIMEOUT_S)
         keepers = list(list_keepers(self.ns).items())
         inventories, handles = [], []
         for node, handle in keepers:

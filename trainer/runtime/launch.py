@@ -255,8 +255,7 @@ def _keepers(cfg: JobConfig, run_uri: str) -> Iterator[None]:
 
     previous = signal.signal(signal.SIGTERM, stopped)
     try:
-        if cfg.checkpoint.memory_every != "auto":  # auto: they start at the first snapshot
-            memory.start_keepers(ns)
+        memory.start_keepers(ns)
         yield
     finally:
         memory.end_keepers(ns)
