@@ -140,6 +140,12 @@ class FSDPStrategy(ModelCalls):
             # accelerate's meta init unties lm_head from embed_tokens (Gemma, small Qwen
             # and Llama 3.2): lm_head would stay uninitialised memory after to_empty().
             model.tie_weights()
+            # The checkpoint holds the tied weight once; an adapter's copies of lm_head
+            # (grown vocabulary: modules_to_save) load it under lm_head's name.
+            ties = getattr(model, "_tied_weights_keys", None)
+            for dst, src in ties.items() if isinstance(ties, dict) else ():
+                if self.adapter and dst not in weights and src in weights:
+                    weights = {**weights, dst: weights[src]}
         if cfg.model.gradient_checkpointing or self.opts.activation_checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}

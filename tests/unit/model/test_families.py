@@ -242,3 +242,29 @@ def test_the_plan_says_what_the_family_gets_and_preflight_refuses_sdpa_for_gemma
     with pytest.raises(ConfigError) as exc:
         preflight.run_all(job("gemma2", attn_implementation="sdpa"), strict=False)
     assert str(exc.value).startswith("model.attn_implementation sdpa: Gemma2ForCausalLM (")
+
+
+def test_fsdp2_lora_on_a_tied_family_with_grown_vocabulary_matches_ddp(folders):
+    """Special tokens grow the vocabulary, so LoRA trains copies of embed_tokens and
+    lm_head (modules_to_save); on a tied family the checkpoint holds that weight once, and
+    FSDP2 must load lm_head's copies from it as DDP's from_pretrained does."""
+    model_dir = folders["gemma2"]
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"] + 2
+    x = torch.randint(3, vocab, (1, 12), generator=torch.Generator().manual_seed(9))
+    out = []
+    for name in ("ddp", "fsdp"):
+        cfg = load_config(
+            {
+                "model": {"path": str(model_dir), "adapter": "lora"},
+                "data": {"train_file": "unused.jsonl", "block_size": 16},
+                "strategy": {"name": name},
+                "scaling": {"num_workers": 1},
+                "run": {"name": "tied-lora"},
+            }
+        )
+        s = build_strategy(cfg, torch.device("cpu"), 0, 1)
+        s.setup(ModelSource(model_dir, vocab))
+        with torch.no_grad():
+            out.append(s.model.eval()(input_ids=x).logits)
+    assert torch.isfinite(out[1]).all()
+    assert (out[0] - out[1]).abs().max() <= 1e-5
