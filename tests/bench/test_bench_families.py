@@ -17,7 +17,7 @@ attention is on in every cell but pp=2 (the pipeline refuses it in this build).
 
 RAYLIFT_BENCH_FAMILIES and RAYLIFT_BENCH_FAMILY_CELLS (comma-separated) pick a part of
 the matrix; a smoke run (make test) only checks that Gemma 2 with pp=2 is refused at
-preflight (tests/integration/test_families.py trains through the same entry).
+preflight (tests/integration/test_family_runs.py trains through the same entry).
 Writes build/bench/families.json (the share of cells that pass) and families_matrix.json
 (every cell: what passed, how long it took, a failed run's log tail).
 """
