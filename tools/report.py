@@ -47,9 +47,11 @@ def plot(run: dict[str, Any], out: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     steps = run["steps"]
-    fig, axes = plt.subplots(3, 2, figsize=(11, 11), gridspec_kw={"height_ratios": [3, 3, 1]})
-    (ax1, ax2), (ax3, ax4), (ax5, ax6) = axes
-    _plot_goodput(fig, ax5, ax6, run.get("goodput"))
+    fig = plt.figure(figsize=(11, 11))
+    grid = fig.add_gridspec(3, 2, height_ratios=[3, 3, 1])
+    ax1, ax2 = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
+    ax3, ax4 = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
+    _plot_goodput(fig.add_subplot(grid[2, :]), run.get("goodput"))  # the whole width
     ax1.plot([r["step"] for r in steps], [r["loss"] for r in steps], label="train loss")
     if run["evals"]:
         ax1.plot(
@@ -73,7 +75,7 @@ def plot(run: dict[str, Any], out: Path, title: str) -> Path:
     _plot_phases(ax4, steps)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight")  # the goodput legend sits below its bar
     plt.close(fig)
     return out
 
@@ -95,9 +97,8 @@ def _plot_rewards(ax: Any, steps: list[dict[str, Any]]) -> None:
     twin.legend(loc="center right")
 
 
-def _plot_goodput(fig: Any, ax: Any, spare: Any, g: Any) -> None:
+def _plot_goodput(ax: Any, g: Any) -> None:
     """Where the paid accelerator time went: one stacked bar, a part per colour."""
-    fig.delaxes(spare)
     ax.set_title("paid accelerator time (wall × workers)")
     if g is None or g.paid <= 0:
         ax.text(0.5, 0.5, "no goodput: no journal for this run", ha="center")
@@ -113,7 +114,7 @@ def _plot_goodput(fig: Any, ax: Any, spare: Any, g: Any) -> None:
     ax.set_xlim(0, 1)
     ax.set_yticks([])
     ax.set_xlabel("share of paid time")
-    ax.legend(fontsize="small", ncol=4, loc="upper center", bbox_to_anchor=(1.0, -0.6))
+    ax.legend(fontsize="small", ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.5))
 
 
 def _panel(ax: Any, title: str, ylabel: str, rows: list[Any], empty: str) -> bool:
