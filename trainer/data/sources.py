@@ -12,7 +12,7 @@ import glob
 import gzip
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -256,14 +256,27 @@ def iter_examples(
     endpoint: str | None = None,
     region: str | None = None,
 ) -> Iterator[Example]:
-    """Each row's Example; a bad row raises DataError naming file:line (file:row for
-    parquet), or, with on_bad_line=skip, is counted in `report`, never dropped silently."""
+    """Each row's Example (see `iter_parsed`)."""
+    return iter_parsed(src, on_bad_line, report, parse_row, endpoint, region)
+
+
+def iter_parsed(
+    src: SourceFile,
+    on_bad_line: str,
+    report: ScanReport,
+    parse: Callable[[Any], tuple[Any, str | None]],
+    endpoint: str | None = None,
+    region: str | None = None,
+) -> Iterator[Any]:
+    """Each row as `parse` reads it (an SFT Example, a preference Pair); a bad row raises
+    DataError naming file:line (file:row for parquet), or, with on_bad_line=skip, is
+    counted in `report`, never dropped silently."""
     unit = "row " if src.fmt == ".parquet" else ""
     for lineno, obj, problem in iter_raw(src, endpoint, region):
-        example = None
+        item = None
         if problem is None:
-            example, problem = parse_row(obj)
-        if example is None:
+            item, problem = parse(obj)
+        if item is None:
             where = f"{src.uri}:{unit}{lineno}"
             if on_bad_line == "error":
                 raise DataError(f"{where}: {problem}; fix the row or set data.on_bad_line: skip")
@@ -272,7 +285,7 @@ def iter_examples(
                 report.first_skipped.append(f"{where}: {problem}")
             continue
         report.documents += 1
-        yield example
+        yield item
 
 
 def sample_check(spec: str, what: str, on_bad_line: str, limit: int) -> str | None:

@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.data.sources import ScanReport, SourceFile, iter_raw, list_local
-from trainer.errors import DataError
+from trainer.data.sources import ScanReport, SourceFile, iter_parsed, list_local
 
 FIELDS = ("prompt", "chosen", "rejected")
 Messages = tuple[tuple[str, str], ...]
@@ -94,21 +93,7 @@ def iter_pairs(
 ) -> Any:
     """Each row's Pair; a bad row raises DataError naming file:line (file:row N for
     parquet), or, with on_bad_line=skip, is counted in `report`."""
-    unit = "row " if src.fmt == ".parquet" else ""
-    for lineno, obj, problem in iter_raw(src, endpoint, region):
-        pair = None
-        if problem is None:
-            pair, problem = parse_pair(obj)
-        if pair is None:
-            where = f"{src.uri}:{unit}{lineno}"
-            if on_bad_line == "error":
-                raise DataError(f"{where}: {problem}; fix the row or set data.on_bad_line: skip")
-            report.skipped += 1
-            if len(report.first_skipped) < 5:
-                report.first_skipped.append(f"{where}: {problem}")
-            continue
-        report.documents += 1
-        yield pair
+    return iter_parsed(src, on_bad_line, report, parse_pair, endpoint, region)
 
 
 def sample_check(spec: str, what: str, on_bad_line: str, limit: int) -> str | None:
