@@ -201,17 +201,12 @@ def run_lines(run: Any, steps: list[dict[str, Any]], lost: int) -> list[str]:
 def submission_cost_lines(meta: dict[str, str]) -> list[str]:
     """run_cost_lines for a submission (its metadata names the run's storage); one line
     saying why when the storage is not readable from here."""
-    from tools.jobcli.runs import RUN_KEY
-    from trainer.storage.location import resolve
+    from tools.jobcli.runs import submission_run
 
-    if not meta.get("raylift_storage") or not meta.get(RUN_KEY):
-        return []
     try:
-        run = resolve(
-            meta["raylift_storage"],
-            meta.get("raylift_endpoint") or None,
-            meta.get("raylift_region") or None,
-        ).join(meta[RUN_KEY])
+        run = submission_run(meta)
+        if run is None:
+            return []
         return run_cost_lines(run)
     except Exception as exc:  # a shared-FS path only the cluster mounts, no credentials, …
         return [f"cost: the run's records are not readable from here ({str(exc).splitlines()[0]})"]

@@ -41,17 +41,12 @@ def run_goodput_lines(run: Any) -> list[str]:
 def submission_goodput_lines(meta: dict[str, str]) -> list[str]:
     """run_goodput_lines for a submission (its metadata names the run's storage); nothing
     when its storage is not readable from here (the cost line already says why)."""
-    from tools.jobcli.runs import RUN_KEY
-    from trainer.storage.location import resolve
+    from tools.jobcli.runs import submission_run
 
-    if not meta.get("raylift_storage") or not meta.get(RUN_KEY):
-        return []
     try:
-        run = resolve(
-            meta["raylift_storage"],
-            meta.get("raylift_endpoint") or None,
-            meta.get("raylift_region") or None,
-        ).join(meta[RUN_KEY])
+        run = submission_run(meta)
+        if run is None:
+            return []
         return run_goodput_lines(run)
     except Exception:  # a shared-FS path only the cluster mounts, no credentials, …
         return []

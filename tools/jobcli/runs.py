@@ -131,6 +131,20 @@ def slowest_line(steps: list[dict[str, Any]]) -> str | None:
     )
 
 
+def submission_run(meta: dict[str, str]) -> Any:
+    """The run folder a submission's metadata names (a trainer.storage Location), or None
+    when it names no storage or run; raises when the storage cannot be resolved here."""
+    from trainer.storage.location import resolve
+
+    if not meta.get("raylift_storage") or not meta.get(RUN_KEY):
+        return None
+    return resolve(
+        meta["raylift_storage"],
+        meta.get("raylift_endpoint") or None,
+        meta.get("raylift_region") or None,
+    ).join(meta[RUN_KEY])
+
+
 def read_progress(meta: dict[str, str], total: int | None = None) -> Progress:
     """The one place that reads a run's progress (the metrics file today; a run journal
     later). `meta` is the submission's metadata: it names the run's storage."""
