@@ -13,6 +13,25 @@ VOCAB = 96
 """The small model's vocabulary."""
 
 
+def tiny_llama(seed: int, vocab: int = VOCAB, **config: object) -> torch.nn.Module:
+    """An in-memory Llama of 2 layers, hidden 32 (4 heads, 2 KV heads), fp32, its weights
+    drawn after torch.manual_seed(seed); `config` adds LlamaConfig fields."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    conf = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **config,
+    )
+    return LlamaForCausalLM(conf).float()
+
+
 def small_strategy(model_dir: Path, adapter: str = "none"):
     cfg = load_config(
         {

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.support import small_model
 from trainer.data import packing
 from trainer.objectives import linear_ce
 
@@ -84,21 +85,8 @@ def test_function_matches_plain_loss_and_every_gradient(softcap, num_items):
 
 
 def tiny_llama(tied: bool, vocab: int = 96) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(1)
-    conf = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(conf).train()
+    model = small_model.tiny_llama(1, vocab, tie_word_embeddings=tied, attn_implementation="sdpa")
+    return model.train()
 
 
 def pair(model: torch.nn.Module, chunk: int = 7) -> tuple[torch.nn.Module, torch.nn.Module]:

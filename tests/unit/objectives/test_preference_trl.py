@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.support.small_model import tiny_llama
 from trainer.config import load_config
 from trainer.data.tokenize import IGNORE
 from trainer.objectives import build_objective, losses
@@ -42,18 +42,8 @@ def _cfg(objective: str, adapter: str = "none", **pref):
     )
 
 
-def _model(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config).float()
+def _model(seed: int) -> torch.nn.Module:
+    return tiny_llama(seed, VOCAB)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
