@@ -607,7 +607,11 @@ def _journal_attempt(
     previous = [r for r in history if r.get("event") == "train"]
     last_step = max(max((int(r["step"]) for r in previous), default=start), trained_to)
     last_time = max((float(r["time"]) for r in previous), default=None)
-    trained = [r for r in journal_mod.read(rt.run) if r["source"].startswith("attempt-")]
+    trained = [  # earlier attempts' rank 0 (other ranks journal only upload retries)
+        r
+        for r in journal_mod.read(rt.run)
+        if r["source"].startswith("attempt-") and r["source"].endswith("-rank0")
+    ]
     after = "failure" if trained else "start"
     if trained and trained[-1]["event"] in ("stopped", "finished"):
         after = "stop"  # resubmitted after a clean stop: nothing lost

@@ -203,6 +203,8 @@ def test_trainer_overhead(ray_cluster, tmp_path):
                 "model": f"Llama hidden {HIDDEN}, {LAYERS} layers, fp32, CPU",
             },
         )
-    # The accounting found every run's training processes (two per run, each busy).
+    # The accounting found every run's training processes (two per run, each busy): found,
+    # not how busy, which a loaded CI machine decides (0.16 cores once, 2 when quiet); a
+    # run whose processes the watch missed reads 0.
     for name, figs in result["commands"].items():
-        assert figs["train_cores"]["min"] > 0.2, (name, figs["train_cores"])
+        assert figs["train_cores"]["min"] > 0.05, (name, figs["train_cores"])

@@ -21,6 +21,9 @@ Readers merge the files by time. Events (each a JSON object with `time`, `event`
   for the background write of the staged state), `upload_s` (persisting the files;
   async uploads report when done).
 - `upload_retry`: a transient storage error during an upload, retried: `step`, `error`.
+  Every rank journals its own (rank 0 in its attempt's file, another rank in a file of
+  its own, made at its first retry): with uploads per rank, any of them may be the one
+  that met the outage.
 - `finished`: the run reached its last step.
 - `driver`: a driver (submission) started: `submission`, `resubmit`.
 
@@ -54,19 +57,32 @@ class Journal:
         self.loc = run.join(JOURNAL_DIR, f"{source}.jsonl")
         self._records: list[dict[str, Any]] = []
         self._lock = threading.Lock()  # async uploads journal from Ray's upload thread
+        self.unwritten = False  # the last write failed: `flush` tries again
 
     def add(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"time": time.time(), "event": event, "source": self.source, **fields}
         with self._lock:
             self._records.append(record)
-            body = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self._records)
-            try:
-                self.run.fs.create_dir(self.run.join(JOURNAL_DIR).path, recursive=True)
-                with self.run.fs.open_output_stream(self.loc.path) as f:
-                    f.write(body.encode())
-            except OSError as exc:
-                log.warning("journal %s not written (%s); training goes on", self.loc.uri, exc)
+            self._write()
         return record
+
+    def flush(self) -> None:
+        """Write again if the last write failed (an event journaled during an outage is
+        kept in memory; the next event or this call writes it once storage answers)."""
+        with self._lock:
+            if self.unwritten:
+                self._write()
+
+    def _write(self) -> None:
+        body = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self._records)
+        try:
+            self.run.fs.create_dir(self.run.join(JOURNAL_DIR).path, recursive=True)
+            with self.run.fs.open_output_stream(self.loc.path) as f:
+                f.write(body.encode())
+            self.unwritten = False
+        except OSError as exc:
+            self.unwritten = True
+            log.warning("journal %s not written (%s); training goes on", self.loc.uri, exc)
 
 
 def read(run: Location) -> list[dict[str, Any]]:

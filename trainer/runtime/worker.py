@@ -115,14 +115,17 @@ class Runtime:
         written_s = round(time.monotonic() - started, 3)
 
         def on_retry(n: int, exc: BaseException) -> None:
-            if self.journal is not None:
-                self.journal.add("upload_retry", step=step, attempt=n, error=str(exc)[:300])
+            journal = self._retry_journal()
+            if journal is not None:
+                journal.add("upload_retry", step=step, attempt=n, error=str(exc)[:300])
 
         def before_manifests() -> None:
             faults.hold(step, "upload", self.rank)
             faults.hold(step, "upload", self.rank, faults.HOLD_UPLOAD_ENV)
 
         upload_checkpoint(src, target, self.retry_s, on_retry, before_manifests)
+        if self._own_journal is not None:
+            self._own_journal.flush()  # its retries, journaled while storage was away
         if self.journal is not None:
             self.journal.add(
                 "checkpoint",
@@ -136,6 +139,15 @@ class Runtime:
             self.on_persisted("storage", time.monotonic() - started)
         return target
 
+    def _retry_journal(self) -> Journal | None:
+        """Rank 0's journal, or this rank's own, made at its first upload retry: each rank
+        uploads its share, and the one that meets an outage may be any of them."""
+        if self.journal is not None or not self.journaling:
+            return self.journal
+        if self._own_journal is None:
+            self._own_journal = Journal(self.run, f"{self.attempt_key}-rank{self.rank}")
+        return self._own_journal
+
     def note_save(self, step: int, seconds: float) -> None:
         self._save_s[step] = round(seconds, 3)
 
@@ -148,6 +160,9 @@ class Runtime:
         self._save_s: dict[int, float] = {}
         self.began = time.time()  # the worker process began: capacity arrived (goodput)
         self.on_persisted: Any = None  # (tier, seconds) of each checkpoint's write + upload
+        self.journaling = False
+        self.attempt_key = f"attempt-{int(time.time() * 1000)}"
+        self._own_journal: Journal | None = None  # a rank > 0's, for its upload retries
 
     def _storage_settings(self, cfg: JobConfig) -> None:
         """What both runtimes take from the config once the rank is known: the run's
@@ -160,8 +175,9 @@ class Runtime:
         self.stuck_s = cfg.checkpoint.stuck_write_s
         staging.watch_writes(self.stuck_s)  # on the training thread: its priority
         self.sync_upload = cfg.checkpoint.upload == "sync"
-        if self.rank == 0 and not cfg.train.as_test:
-            self.journal = Journal(self.run, f"attempt-{int(time.time() * 1000)}-rank0")
+        self.journaling = not cfg.train.as_test
+        if self.rank == 0 and self.journaling:
+            self.journal = Journal(self.run, f"{self.attempt_key}-rank0")
 
     def _fetch(self, loc: Location) -> Path:
         """A local path for a checkpoint: in place on a local/shared FS, else a temp copy

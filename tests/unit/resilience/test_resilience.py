@@ -206,6 +206,26 @@ def test_journal_merges_writers_and_summarizes(tmp_path):
     assert s["preemptions"] == [{"step": 50, "deadline_s": 100.0, "save_s": 5.5, "margin_s": 94.5}]
 
 
+def test_journal_written_during_an_outage_is_written_once_storage_answers(tmp_path):
+    """A rank's upload retry is journaled while storage is away: the write fails (a
+    warning, training goes on), the record stays, and flush writes it once storage is
+    back; a flush with nothing unwritten writes nothing."""
+    run = resolve(str(tmp_path / "run"))
+    Path(run.path).mkdir(parents=True)
+    blocker = Path(run.path) / journal.JOURNAL_DIR
+    blocker.write_text("not a folder")  # storage refuses the journal's folder
+    j = journal.Journal(run, "attempt-1-rank1")
+    j.add("upload_retry", step=50, attempt=1, error="connection refused")
+    assert j.unwritten and journal.read(run) == []
+    blocker.unlink()
+    j.flush()
+    assert not j.unwritten
+    assert journal.summarize(journal.read(run))["upload_retries"] == 1
+    (Path(run.path) / journal.JOURNAL_DIR / "attempt-1-rank1.jsonl").unlink()
+    j.flush()  # written already: not again
+    assert journal.read(run) == []
+
+
 def test_failure_causes_from_ray_errors():
     from ray.exceptions import RayActorError
 
