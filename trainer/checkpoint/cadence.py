@@ -18,6 +18,10 @@ The rule (docs/checkpoints.md):
 - The write floor: a tier's interval is never shorter than its background write takes,
   so writes never queue behind each other.
 - The storage interval is a whole multiple of the RAM tier's.
+- The wall-time cap: the storage interval (and so the RAM tier's, of which it is a
+  multiple) is never longer than `checkpoint.max_interval_s` of training: the priors give
+  intervals of hours on small clusters, and a rate the priors underestimate would cost
+  that much per fault. It wins over the overhead guard, never over the write floor.
 - A tier whose cost is not measured yet saves once at once (CheckFreq's profiling), then
   the rule takes over.
 - After a rebalance recommendation or a burst of faults the rates count `BURST_FACTOR`
@@ -63,13 +67,17 @@ DRIVER_FAILURES_PER_HOUR = 1.0 / (30 * 24)
 """The head node or the driver lost (on demand): one a month, an assumption stated in
 docs/checkpoints.md; storage covers it."""
 
+MAX_INTERVAL_S = 1800.0
+"""The default wall-time cap on the storage interval (checkpoint.max_interval_s)."""
+
 BURST_FACTOR = 4.0
 """After a rebalance recommendation or a fault burst the rates count this many times
 higher (the intervals halve, √4)..."""
 BURST_S = 1800.0
 """...for this long."""
 BURST_FAULTS = 2
-"""This many faults within BURST_S make a burst."""
+"""This many faults within BURST_S make a burst (or more where the rates expect more:
+`burst_faults`)."""
 
 PRIOR_HOURS = 24.0
 """Weight of the prior in the rate estimate, in hours of observation: a run's own faults
@@ -148,20 +156,32 @@ def prior_rates(
     gpus_per_node: int,
     spot_band: str | None,
     hardware_per_gpu_hour: float = HARDWARE_FAILURES_PER_GPU_HOUR,
+    hard_per_hour: float | None = None,
 ) -> Rates:
     """The rates a run starts from: hardware failures per GPU-hour, the pool's spot band
-    (None: on demand), split over the tiers as the module says."""
+    (None: on demand), split over the tiers as the module says. `hard_per_hour`
+    (checkpoint.failure_rate_per_hour: a drill's or a bench's known rate) replaces the
+    hard failures of both, worker kills and undrained losses, split the same way."""
     gpus = max(1, nodes * max(1, gpus_per_node))
     hardware = gpus * hardware_per_gpu_hour
     spot = nodes * spot_rate_per_node_hour(spot_band)
     undrained = spot * UNDRAINED_SHARE
-    losses = hardware + undrained
+    losses = hardware + undrained if hard_per_hour is None else hard_per_hour
     pair = losses * PAIR_SHARE if nodes > 1 else 0.0
     return Rates(
         memory=losses - pair,
         storage=pair + DRIVER_FAILURES_PER_HOUR,
         drained=spot - undrained,
     )
+
+
+def burst_faults(rates: Rates) -> int:
+    """Faults within BURST_S that make a burst: BURST_FAULTS, or twice what the rates
+    expect in that window where that is more. A burst is faults coming faster than the
+    rates say; a drill or a bench at a known high rate (checkpoint.failure_rate_per_hour)
+    would otherwise be in one from its second fault on, tuned for four times its rate."""
+    expected = (rates.memory + rates.storage) * BURST_S / 3600.0
+    return max(BURST_FAULTS, round(2.0 * expected))
 
 
 def tier_of(cause: str) -> str | None:
@@ -236,14 +256,16 @@ def decide(
     burst: bool = False,
     fixed_memory: int | None = None,
     fixed_storage: int | None = None,
+    max_interval_s: float | None = None,
 ) -> Decision:
-    """The multi-level Young/Daly rule with the overhead guard, the write floor and the
-    multiple. `fixed_*`: a tier the user set to a number keeps it (the other adapts)."""
+    """The multi-level Young/Daly rule with the overhead guard, the write floor, the
+    multiple and the storage tier's wall-time cap (`max_interval_s`, None: none).
+    `fixed_*`: a tier the user set to a number keeps it (the other adapts)."""
     r = rates if memory_tier else rates.without_memory_tier()
     factor = BURST_FACTOR if burst else 1.0
     reasons: dict[str, str] = {}
 
-    def tier(name: str, stall: float, write: float, rate_h: float) -> int:
+    def tier(name: str, stall: float, write: float, rate_h: float, cap: float | None) -> int:
         rate_s = rate_h * factor / 3600.0
         if stall <= 0 and rate_s > 0:  # not measured yet: one save at once measures it
             reasons[name] = "measuring"
@@ -253,25 +275,30 @@ def decide(
         chosen, why = optimum, "young" if stall * rate_s < 1e-3 else "daly"
         if guard > chosen:
             chosen, why = guard, "overhead"
-        if write > chosen:
-            chosen, why = write, "write"
         if math.isinf(chosen):
             why = "no failures"
+        if cap is not None and chosen > cap:
+            chosen, why = cap, "max_interval"
+        if write > chosen:
+            chosen, why = write, "write"
         reasons[name] = why
         return _steps(chosen, costs.step_s, max_steps)
 
+    cap = max_interval_s  # both tiers: storage is a whole multiple of the RAM tier's
     mem = 0
     if memory_tier:
         if fixed_memory is not None:
             mem, reasons[RAM] = fixed_memory, "fixed"
         else:
-            mem = tier(RAM, costs.memory_stall_s, costs.memory_write_s, r.memory)
+            mem = tier(RAM, costs.memory_stall_s, costs.memory_write_s, r.memory, cap)
     if fixed_storage is not None:
         sto, reasons[STORAGE] = fixed_storage, "fixed"
     else:
-        sto = tier(STORAGE, costs.storage_stall_s, costs.storage_write_s, r.storage)
+        sto = tier(STORAGE, costs.storage_stall_s, costs.storage_write_s, r.storage, cap)
         if mem:
             sto = max(mem, round(sto / mem) * mem)  # a whole multiple of the RAM tier's
+            if cap is not None and sto * costs.step_s > max(cap, costs.storage_write_s):
+                sto = max(mem, sto - mem)  # rounding up broke the cap
             if sto * costs.step_s < costs.storage_write_s:  # rounding down broke the floor
                 sto += mem
     return Decision(
@@ -282,6 +309,7 @@ def decide(
             "costs": {k: round(v, 4) for k, v in asdict(costs).items()},
             "rates_per_hour": {k: round(v, 8) for k, v in asdict(r).items()},
             "max_overhead": max_overhead,
+            "max_interval_s": max_interval_s,
             "burst": burst,
         },
     )
@@ -313,12 +341,14 @@ class Cadence:
         max_overhead: float = 0.02,
         fixed_memory: int | None = None,
         fixed_storage: int | None = None,
+        max_interval_s: float | None = MAX_INTERVAL_S,
         prior_costs: Costs | None = None,
         journal: Callable[..., Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.rates, self.memory_tier, self.max_overhead = rates, memory_tier, max_overhead
         self.fixed_memory, self.fixed_storage = fixed_memory, fixed_storage
+        self.max_interval_s = max_interval_s
         self.journal, self.clock = journal, clock
         self.costs = prior_costs or Costs(step_s=0.0)
         self._step_s: float | None = None
@@ -363,11 +393,11 @@ class Cadence:
 
     def fault(self, cause: str, hours_run: float, counts: dict[str, int]) -> None:
         """A fault seen (the journal at an attempt's start): the rates move, and two
-        within BURST_S start a burst."""
+        within BURST_S (more where the rates expect more) start a burst."""
         self.rates = observed_rates(self.rates, counts, hours_run)
         now = self.clock()
         self._faults = [t for t in self._faults if now - t < BURST_S] + [now]
-        if len(self._faults) >= BURST_FAULTS:
+        if len(self._faults) >= burst_faults(self.rates):
             self.shorten("fault burst")
 
     def shorten(self, why: str) -> None:
@@ -393,6 +423,7 @@ class Cadence:
             burst=self.burst,
             fixed_memory=self.fixed_memory,
             fixed_storage=self.fixed_storage,
+            max_interval_s=self.max_interval_s,
         )
 
     def ask(self) -> list[float]:
@@ -524,18 +555,21 @@ def for_run(
     spot_band: str | None,
     journal_records: list[dict[str, Any]],
     journal: Callable[..., Any] | None,
+    max_interval_s: float | None = MAX_INTERVAL_S,
+    failure_rate_per_hour: float | None = None,
 ) -> Cadence | None:
     """The run's cadence when either tier is `auto` (None when both are numbers): priors
-    from the pool, moved by the run's own journal."""
+    from the pool (or checkpoint.failure_rate_per_hour), moved by the run's own journal."""
     if every_steps != "auto" and memory_every != "auto":
         return None
-    rates = prior_rates(nodes, gpus_per_node, spot_band)
+    rates = prior_rates(nodes, gpus_per_node, spot_band, hard_per_hour=failure_rate_per_hour)
     counts, hours = journal_faults(journal_records)
     rates = observed_rates(rates, counts, hours)
     cadence = Cadence(
         rates,
         memory_tier=memory_tier,
         max_overhead=max_overhead,
+        max_interval_s=max_interval_s,
         fixed_memory=memory_every if isinstance(memory_every, int) and memory_tier else None,
         fixed_storage=(
             every_steps
@@ -544,10 +578,12 @@ def for_run(
         ),
         journal=journal,
     )
-    # Two faults within BURST_S before this attempt: a burst, shorter intervals for a while.
+    # Two faults within BURST_S before this attempt (more where the rates expect more): a
+    # burst, shorter intervals for a while.
     failed = sorted(float(r["time"]) for r in journal_records if r.get("event") == "failure")
-    recent = len(failed) >= BURST_FAULTS and time.time() - failed[-1] < BURST_S
-    if recent and failed[-1] - failed[-BURST_FAULTS] < BURST_S:
+    n = burst_faults(rates)
+    recent = len(failed) >= n and time.time() - failed[-1] < BURST_S
+    if recent and failed[-1] - failed[-n] < BURST_S:
         cadence.shorten("fault burst")
     return cadence
 

@@ -36,6 +36,8 @@ def for_job(cfg: Any, rt: Any) -> Cadence | None:
         memory_every=cfg.checkpoint.memory_every,
         memory_tier=memory_tier_on(cfg, isinstance(rt, RayRuntime)),
         max_overhead=cfg.checkpoint.max_overhead,
+        max_interval_s=cfg.checkpoint.max_interval_s,
+        failure_rate_per_hour=cfg.checkpoint.failure_rate_per_hour,
         nodes=math.ceil(rt.world_size / per_node),
         gpus_per_node=per_node,
         spot_band=spot_band_of(labels),

@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from trainer.checkpoint.cadence import Costs, Rates, decide, prior_rates
+from trainer.checkpoint.cadence import MAX_INTERVAL_S, Costs, Rates, decide, prior_rates
 
 RESTART_S = 300.0
 """A failure's restart before the restore: the controller notices, a replacement node
@@ -51,6 +51,8 @@ class Scenario:
     memory_restore_s: float = 5.0
     storage_restore_s: float = 60.0
     memory_tier: bool = True
+    restart_s: float = RESTART_S
+    """A failure's restart before the restore (a bench passes the one it measured)."""
 
 
 @dataclass
@@ -90,9 +92,9 @@ def _one(s: Scenario, m: int, k: int | None, rng: random.Random) -> tuple[float,
         if u < rate_drain:
             back, cost = reached, DRAIN_RESTART_S + s.storage_restore_s
         elif u < rate_drain + rate_mem and m:
-            back, cost = max((reached // m) * m, storage_back), RESTART_S + s.memory_restore_s
+            back, cost = max((reached // m) * m, storage_back), s.restart_s + s.memory_restore_s
         else:
-            back, cost = storage_back, RESTART_S + s.storage_restore_s
+            back, cost = storage_back, s.restart_s + s.storage_restore_s
         lost += reached - back
         failures += 1
         step = back
@@ -128,12 +130,15 @@ def simulate(
     )
 
 
-def auto_intervals(s: Scenario, max_overhead: float = 0.02) -> tuple[int, int]:
+def auto_intervals(
+    s: Scenario, max_overhead: float = 0.02, max_interval_s: float | None = MAX_INTERVAL_S
+) -> tuple[int, int]:
     d = decide(
         replace(s.costs, step_s=s.step_s),
         s.rates,
         memory_tier=s.memory_tier,
         max_overhead=max_overhead,
+        max_interval_s=max_interval_s,
     )
     return d.memory_every, d.storage_every
 
@@ -201,7 +206,12 @@ def scenario_for_plan(
         days=days,
         step_s=step_s,
         costs=costs,
-        rates=prior_rates(n_nodes, max(1, spec.gpu_count), band),
+        rates=prior_rates(
+            n_nodes,
+            max(1, spec.gpu_count),
+            band,
+            hard_per_hour=cfg.checkpoint.failure_rate_per_hour,
+        ),
         usd_per_node_hour=spec.usd_per_hour("spot" if market == "spot" else "on-demand"),
         memory_restore_s=node_bytes / MEMORY_RESTORE_BPS,
         storage_restore_s=node_bytes / STORAGE_BPS,
