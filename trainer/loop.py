@@ -56,6 +56,7 @@ from trainer.observability.workerstats import WorkerStats
 from trainer.resilience import faults
 from trainer.resilience import journal as journal_mod
 from trainer.resilience.preemption import PreemptionWatch
+from trainer.runtime import hostsync
 from trainer.runtime.worker import RayRuntime, Runtime, TorchrunRuntime
 from trainer.strategies.base import ModelSource, Strategy, build_strategy
 
@@ -131,6 +132,7 @@ def _targets_per_rank(
     world: int,
     flags: list[float],
     count: Any = None,
+    reduce: Any = None,
 ) -> tuple[torch.Tensor, list[float]]:
     """The loss divisor that makes a step's loss the mean over every target token of the
     global batch (all micro-batches, all ranks): each micro-batch's loss is its token sum
@@ -139,11 +141,15 @@ def _targets_per_rank(
     would weigh tokens unequally, and a batch of prompt tokens only would be NaN; a
     global batch with no target at all trains nothing (loss 0). The same all-reduce
     carries `flags` (summed over ranks), so a per-step decision costs no collective.
-    `count` is the objective's (target tokens for SFT, pairs for a preference loss)."""
+    `count` is the objective's (target tokens for SFT, pairs for a preference loss);
+    `reduce`, how ranks sum host floats (trainer.runtime.hostsync: never waiting for a GPU).
+    Counts come from the host's batch and the divisor goes to the device asynchronously,
+    so the step makes no host-device synchronisation here."""
     count = count or (lambda batch: _target_count(batch[1]))
+    reduce = reduce or functools.partial(_all_reduce_sum, device=device, world=world)
     local = sum(count(batch) for batch in micro)
-    total, *agreed = _all_reduce_sum([float(local), *flags], device, world)
-    return torch.tensor(max(total, 1.0) / world, device=device), agreed
+    total, *agreed = reduce([float(local), *flags])
+    return hostsync.to_device(max(total, 1.0) / world, device), agreed
 
 
 def _all_reduce_sum(values: list[float], device: torch.device, world: int) -> list[float]:
@@ -237,7 +243,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
             micro = feed.micro_batches(step)
             flags = [preemption.ask(), *memory.ask()]
             per_rank, (asked, *snapped) = _targets_per_rank(
-                micro, device, rt.world_size, flags, objective.count
+                micro, device, rt.world_size, flags, objective.count, report.all_reduce
             )
         with stats.phase("fwd_bwd"):
             loss = _forward_backward(strategy, micro, per_rank, cfg, device)
@@ -269,7 +275,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
             out.update(stats.gather())  # collective: per-worker memory and step phases
             return out
 
-        metrics = report.report(step, float(loss), lr, grad_norm, started, ts.tokens_seen, extra)
+        metrics = report.report(step, loss, lr, grad_norm, started, ts.tokens_seen, extra)
         stats.device_phases.publishing(save, export)  # their device peak is their own
         stalled = time.perf_counter()  # export, checkpoint and report: the checkpoint stall
         saving = publish.after_step(step, metrics, export, save, emergency, is_last)
@@ -399,8 +405,14 @@ def _start_attempt(
         )
     # Watching the run (observability.tracking, observability.workerstats): every rank
     # measures, rank 0 gathers and hands the records to the trackers' background senders.
+    reduce = hostsync.HostReduce(device, rt.world_size)  # step agreement off the GPU
     stats = WorkerStats(
-        device, rt.rank, rt.world_size, cfg.tracking.per_rank_every, _ray_gauges(cfg, rt)
+        device,
+        rt.rank,
+        rt.world_size,
+        cfg.tracking.per_rank_every,
+        _ray_gauges(cfg, rt),
+        group=reduce.group,
     )
     memory.timer = stats.timer  # the RAM tier's stall, a phase of its own ("snap")
     tracker = open_tracker(
@@ -452,7 +464,7 @@ def _start_attempt(
         steps_per_epoch=feed.steps_per_epoch,
         n_params=n_params,
         peak=peak,
-        all_reduce=functools.partial(_all_reduce_sum, device=device, world=rt.world_size),
+        all_reduce=reduce,
         metrics_file=metrics_file,
         tracker=tracker,
         stats=stats,

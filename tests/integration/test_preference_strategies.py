@@ -76,7 +76,7 @@ def _run(strategy, ids, labels, ref, rows, world):
         )
     if world > 1:
         dist.all_reduce(loss)
-    return float(loss) / world, strategy.step()
+    return float(loss) / world, float(strategy.step())
 
 
 def _half(rank: int, world: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from trainer.observability.metrics import MetricsFile, mfu
+from trainer.runtime.hostsync import read_floats
 
 log = logging.getLogger("trainer")
 
@@ -59,9 +60,9 @@ class StepReport:
     def report(
         self,
         step: int,
-        loss_acc: float,
+        loss_acc: Any,
         lr: float,
-        grad_norm: float | None,
+        grad_norm: Any,
         started: float,
         tokens_seen: int,
         extra: Callable[[], dict[str, Any]],
@@ -74,8 +75,11 @@ class StepReport:
         runs waits for that upload: during a storage outage it would stop training until
         storage came back. Metrics are reported once no rank has an upload running (the
         checkpoint's own report carries its metrics meanwhile). `extra` adds what else the
-        step reports (per-source tokens, eval, per-worker stats: collectives included)."""
+        step reports (per-source tokens, eval, per-worker stats: collectives included).
+        The loss and the grad norm may still be on the device: both are read here, in one
+        copy, the only host-device synchronisation a reported step makes for its record."""
         rt = self.rt
+        loss_acc, grad_norm = read_floats(loss_acc, grad_norm)
         due = float(rt.rank == 0 and time.monotonic() - self._last_ray_report >= REPORT_EVERY_S)
         loss_sum, due, uploading = self.all_reduce([loss_acc, due, float(rt.uploads_in_flight())])
         self.ray_due = due > 0 and uploading == 0

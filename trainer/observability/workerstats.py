@@ -159,8 +159,12 @@ class WorkerStats:
         world_size: int,
         per_rank_every: int = 10,
         gauges: Any = None,
+        group: Any = None,
     ):
         self.device = device
+        # A gloo group on a GPU job (trainer.runtime.hostsync): the values are host numbers,
+        # gathered in host memory without waiting for the device; None: the default group.
+        self.group = group
         self.rank = rank
         self.world_size = world_size
         self.per_rank_every = per_rank_every
@@ -191,13 +195,15 @@ class WorkerStats:
         mine = self.local()
         if self.gauges is not None:
             self.gauges.set(mine)
-        vec = torch.tensor([mine[f] for f in FIELDS], dtype=torch.float64, device=self.device)
+        values = [float(mine[f]) for f in FIELDS]
         if self.world_size > 1 and dist.is_initialized():
+            on = self.device if self.group is None else torch.device("cpu")
+            vec = torch.tensor(values, dtype=torch.float64, device=on)
             parts = [torch.empty_like(vec) for _ in range(self.world_size)]
-            dist.all_gather(parts, vec)
+            dist.all_gather(parts, vec, group=self.group)
             rows = [p.tolist() for p in parts]
         else:
-            rows = [vec.tolist()]
+            rows = [values]
         self._records += 1
         if self.rank != 0:
             return {}

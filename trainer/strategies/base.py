@@ -66,8 +66,9 @@ class Strategy(Protocol):
     def logits(self, x: torch.Tensor, **attention: Any) -> torch.Tensor:
         """Logits for `x` on every rank (inside `evaluating()`)."""
 
-    def step(self) -> float:
-        """Clip (if configured), step the optimizer, zero the grads; the global grad norm."""
+    def step(self) -> torch.Tensor | float:
+        """Clip (if configured), step the optimizer, zero the grads; the global grad norm
+        (a 0-dim tensor may stay on the device: the step report reads it when due)."""
 
     def param_count(self) -> int:
         """The whole model's parameters (every pipeline stage, every shard), the same on

@@ -72,16 +72,20 @@ def loss_scaler(cfg: JobConfig) -> Any:
     return NullScaler()
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
-    """Clip to `max_norm` (no-op when None) and return the global norm. With DTensor grads
-    (FSDP2) the norm is a partial reduction; `full_tensor` completes it across ranks."""
+def clip_grad_norm(
+    params: list[torch.nn.Parameter], max_norm: float | None
+) -> torch.Tensor | float:
+    """Clip to `max_norm` (no-op when None) and return the global norm, still on the
+    device: the step report reads it when it writes a record (reading it every step would
+    make the host wait for the GPU). With DTensor grads (FSDP2) the norm is a partial
+    reduction; `full_tensor` completes it across ranks."""
     params = [p for p in params if p.grad is not None]
     if not params:
         return 0.0
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf"), foreach=True)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    return float(norm)
+    return norm.detach()
 
 
 class ModelCalls:

@@ -88,7 +88,7 @@ class DDPStrategy(ModelCalls):
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
-    def step(self) -> float:
+    def step(self) -> torch.Tensor | float:
         self.scaler.unscale_(self.optimizer)
         norm = clip_grad_norm(list(self.hf.parameters()), self.cfg.optim.grad_clip)
         self.scaler.step(self.optimizer)

@@ -204,10 +204,10 @@ class DeepSpeedStrategy(ModelCalls):
         if not self._last:
             self.engine.step()  # DeepSpeed counts micro steps; it updates at the boundary
 
-    def step(self) -> float:
+    def step(self) -> torch.Tensor | float:
         self.engine.step()
-        norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        norm = self.engine.get_global_grad_norm()  # a tensor is read when reported
+        return norm if norm is not None else float("nan")
 
     def evaluating(self) -> contextlib.AbstractContextManager:
         return Evaluating(self.engine)
