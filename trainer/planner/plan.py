@@ -439,4 +439,8 @@ def plan_job(
             tokens_per_epoch,
         )
     )
+    from trainer.planner.tiers import plan_note  # tiers imports this module
+
+    ram_tier = plan_note(cfg, result, shape)  # where the host-RAM check turns auto off
+    result.notes += [ram_tier] if ram_tier else []
     return result

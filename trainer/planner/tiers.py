@@ -51,3 +51,18 @@ def memory_tier_fits(
         f"RAM tier off (auto): with its keepers a node needs {with_tier / GIB:.1f} GiB of host "
         f"RAM, has {have:.0f} GiB ({without / GIB:.1f} GiB without); storage checkpoints alone"
     )
+
+
+def plan_note(cfg: Any, plan: Any, shape: Any = None) -> str | None:
+    """The plan's line where the host-RAM check turns `memory_every: auto` off: the node
+    type of the plan's layout with the least RAM (the one the driver checks), what a node
+    would need with the keepers, what it has. None where the tier is on, set by hand, or
+    off for another reason (DeepSpeed), or where the plan has no layout."""
+    lay = plan.layout or plan.cheapest
+    if cfg.checkpoint.memory_every != "auto" or cfg.strategy.name == "deepspeed" or lay is None:
+        return None
+    if not lay.nodes:
+        return None
+    node = min(lay.nodes, key=lambda n: n.host_capacity)
+    on, why = memory_tier_fits(cfg, node.host_capacity, max(1, node.ranks_per_node), shape)
+    return None if on else f"{why} ({node.instance})"
