@@ -233,7 +233,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     evaluation = Evaluation(
         cfg, rt, strategy, device, open_eval_sets(cfg, prep.eval_caches, feed.attention)
     )
-    preemption = PreemptionWatch(rt, enabled=not cfg.train.as_test)
+    preemption = PreemptionWatch(rt, enabled=not cfg.train.as_test, cadence=manager.cadence)
     publish = Publish(cfg, rt, strategy, tokenizer, manager, report)
     stats = report.stats
     strategy.model.train()
@@ -241,8 +241,8 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         started = time.perf_counter()
         with stats.phase("data"):
             micro = feed.micro_batches(step)
-            flags = [preemption.ask(), *memory.ask()]
-            per_rank, (asked, *snapped) = _targets_per_rank(
+            flags = [*preemption.ask(), *memory.ask()]
+            per_rank, (asked, rebalanced, *snapped) = _targets_per_rank(
                 micro, device, rt.world_size, flags, objective.count, report.all_reduce
             )
         with stats.phase("fwd_bwd"):
@@ -257,7 +257,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         report.count(cfg.tokens_per_step)
 
         is_last = done == end
-        preemption.check(asked, done)
+        preemption.check(asked, rebalanced, done)
         memory.agreed(snapped)  # the RAM tier's flags and the cadence's proposals
         emergency = preemption.emergency(is_last)
         save = manager.due(done, end) or emergency

@@ -6,7 +6,9 @@ Ray node through the GCS (the call behind `ray drain-node --reason
 DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds N`), with a deadline a margin
 before the notice's time. Ray Train's preemption watcher sees the drain and
 `ray.train.get_preemption_info()` reports it to the training loop, which checkpoints at
-once. A rebalance recommendation is only logged, unless `--drain-on-rebalance`.
+once. A rebalance recommendation is written where the node's training ranks look for it
+(trainer.resilience.rebalance: the running job shortens its checkpoint intervals for a
+while) and logged; it drains the node only with `--drain-on-rebalance`.
 
 The agent must never take the node down with it: a metadata service or GCS that does not
 answer is retried (tenacity) and logged once per outage, and the loop carries on.
@@ -238,6 +240,9 @@ class AgentOptions:
     node_id: str | None = None
     gcs_address: str | None = None
     drain_on_rebalance: bool = False
+    # Where a rebalance notice is written for the node's training ranks (None: the default
+    # of trainer.resilience.rebalance, RAYLIFT_REBALANCE_FILE or the node's temp folder).
+    rebalance_file: str | None = None
     lifecycle_timeout_s: float = DEFAULT_LIFECYCLE_TIMEOUT_S
     # infra's node.env (RAYLIFT_LIFECYCLE_HOOK, RAYLIFT_ASG_NAME, RAYLIFT_INSTANCE_ID,
     # RAYLIFT_REGION): which lifecycle action to complete once the node is drained.
@@ -354,18 +359,32 @@ class Agent:
         except (ValueError, ValidationError):
             when = body[:200]
         if body not in self._logged:
+            self._tell_the_job(body)
             log.warning(
                 "rebalance recommendation at %s: %s",
                 when,
                 "draining this Ray node (no deadline)"
                 if self.options.drain_on_rebalance
-                else "logged only (--drain-on-rebalance drains)",
+                else "the job's checkpoint intervals shorten (--drain-on-rebalance drains)",
             )
             self._logged.add(body)
         if not self.options.drain_on_rebalance:
             self._done.add(body)
             return
         self._drain_once(body, None, f"EC2 rebalance recommendation at {when}")
+
+    def _tell_the_job(self, body: str) -> None:
+        """The notice, for the training ranks on this node (trainer.resilience.rebalance);
+        a file that cannot be written is logged, never fatal."""
+        from pathlib import Path
+
+        from trainer.resilience.rebalance import write_notice
+
+        path = Path(self.options.rebalance_file) if self.options.rebalance_file else None
+        try:
+            write_notice(body, path)
+        except OSError as exc:
+            log.error("could not write the rebalance notice for the job: %s", exc)
 
     def _drain_once(self, body: str, deadline: datetime | None, message: str) -> bool:
         try:

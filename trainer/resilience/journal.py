@@ -24,6 +24,9 @@ Readers merge the files by time. Events (each a JSON object with `time`, `event`
   Every rank journals its own (rank 0 in its attempt's file, another rank in a file of
   its own, made at its first retry): with uploads per rank, any of them may be the one
   that met the outage.
+- `rebalance`: an EC2 rebalance recommendation on a node of the run reached the loop
+  (trainer.resilience.rebalance): `step`, `ranks` (how many saw it), `shortened` (the
+  auto cadence's intervals shortened), `burst_s` (for how long).
 - `finished`: the run reached its last step.
 - `driver`: a driver (submission) started: `submission`, `resubmit`.
 

@@ -2,7 +2,9 @@
 step just trained must be checkpointed at once, and riding out the rest of the notice.
 
 A spot notice (a node drain seen by Ray) checkpoints at once; Ray restarts the group off
-the node after it, so the steps since the last checkpoint are kept.
+the node after it, so the steps since the last checkpoint are kept. A rebalance
+recommendation on a node of the run (trainer.resilience.rebalance) rides the same flags and
+shortens the checkpoint intervals for a while.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any
+
+from trainer.resilience.rebalance import RebalanceWatch
 
 log = logging.getLogger("trainer")
 
@@ -20,20 +24,26 @@ step; Ray itself polls for node drains every 5 s, and a spot notice gives two mi
 
 
 class PreemptionWatch:
-    def __init__(self, rt: Any, enabled: bool):
+    def __init__(self, rt: Any, enabled: bool, cadence: Any = None):
+        """`cadence`: the run's checkpoint cadence (None with fixed intervals), which a
+        rebalance recommendation shortens."""
         self.rt = rt
         self.enabled = enabled
         self.notice: dict[str, Any] | None = None
         self._last_check = time.monotonic()
+        self.rebalance = RebalanceWatch(rt, cadence, enabled)
 
-    def ask(self) -> float:
-        """Rank 0's clock decides when every rank asks: 1.0 to ask after this step, else 0
-        (summed over ranks by the step's first all-reduce)."""
+    def ask(self) -> list[float]:
+        """This rank's flags for the step's first all-reduce (summed over ranks): 1.0 from
+        rank 0 to ask Ray after this step (rank 0's clock decides for every rank), and 1.0
+        from a rank that found a fresh rebalance notice on its node."""
         due = time.monotonic() - self._last_check >= PREEMPTION_CHECK_S
-        return float(self.rt.rank == 0 and due)
+        return [float(self.rt.rank == 0 and due), self.rebalance.ask()]
 
-    def check(self, asked: float, done: int) -> None:
-        """Ask Ray (collective) when rank 0 said so, until a notice has come."""
+    def check(self, asked: float, rebalanced: float, done: int) -> None:
+        """Act on a rebalance notice any rank saw (every rank alike), and ask Ray
+        (collective) when rank 0 said so, until a notice has come."""
+        self.rebalance.agreed(rebalanced, done)
         if self.notice is not None or not self.enabled or asked <= 0:
             return
         self._last_check = time.monotonic()

@@ -321,6 +321,7 @@ def _worker_env(cfg: JobConfig | None = None) -> dict[str, str]:
         "TRANSFORMERS_OFFLINE",
         "DS_ACCELERATOR",
         "TORCH_EXTENSIONS_DIR",
+        "RAYLIFT_REBALANCE_FILE",  # where the node agent writes a rebalance notice
         *faults.WORKER_ENV,
     )
     return {**{k: os.environ[k] for k in keep if k in os.environ}, **allocator}

@@ -66,9 +66,15 @@ def test_client_renews_a_token_before_it_expires(imds: FakeImds, monkeypatch) ->
     assert not [r for r in imds.requests if r.status == 401]
 
 
-def test_poll_survives_the_service_being_down_and_logs_it_once(imds: FakeImds, caplog) -> None:
+def test_poll_survives_the_service_being_down_and_logs_it_once(
+    imds: FakeImds, caplog, tmp_path
+) -> None:
     caplog.set_level(logging.INFO, logger="raylift.agent")
-    a = agent.Agent(agent.AgentOptions(imds_endpoint=imds.endpoint, interval_s=0.1))
+    notice = tmp_path / "rebalance.json"
+    options = agent.AgentOptions(
+        imds_endpoint=imds.endpoint, interval_s=0.1, rebalance_file=str(notice)
+    )
+    a = agent.Agent(options)
     a.poll_once()
     with imds.down():
         a.poll_once()
@@ -81,7 +87,8 @@ def test_poll_survives_the_service_being_down_and_logs_it_once(imds: FakeImds, c
     assert sum("metadata service unreachable" in line for line in lines) == 1
     assert sum("answers again" in line for line in lines) == 1
     rebalance = [line for line in lines if line.startswith("rebalance recommendation")]
-    assert len(rebalance) == 1 and "logged only" in rebalance[0]
+    assert len(rebalance) == 1 and "intervals shorten" in rebalance[0]
+    assert json.loads(notice.read_text())["noticeTime"]  # for the node's training ranks
     assert len(imds.requests_to(REBALANCE_PATH)) == 4  # polled again after the outage
 
 
