@@ -28,7 +28,7 @@ WHEELS=(pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0
         typing-inspection==0.4.5 torchao==0.18.0 hjson==3.1.0 bitsandbytes==0.50.2)
 DEEPSPEED=deepspeed==0.19.8
 # Most telling first: a lease that runs out keeps the rows it finished (report.json).
-STRATEGIES="${GPULEASE_ONLY:-ddp fsdp zero3 lora fsdp_qlora zero2 fsdp_ac fsdp_lora qlora zero3_lora}"
+STRATEGIES="${GPULEASE_ONLY:-ddp fsdp zero3 mfu_8b lora fsdp_qlora zero2 fsdp_ac fsdp_lora qlora zero3_lora}"
 GPUCHECK_ARGS="${GPULEASE_ARGS:---layers 8 --steps 6 --timeout 120}"
 BUDGET_S="${GPULEASE_BUDGET_S:-480}"
 

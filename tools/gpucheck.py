@@ -37,6 +37,8 @@ from typing import Any
 
 import yaml
 
+from tools import gpucheck_mfu
+
 ROOT = Path(__file__).resolve().parents[1]
 
 TOLERANCE = 0.15
@@ -52,6 +54,9 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "ddp": {"strategy": {"name": "ddp"}},
     "fsdp": {"strategy": {"name": "fsdp"}},
     "fsdp_ac": {"strategy": {"name": "fsdp", "activation_checkpointing": True}},
+    # MFU where it means something: Raylift's step on a Llama-3-8B shape, as many layers
+    # as fit (tools/gpucheck_mfu.py; no checkpoint or export). Before ZeRO-3, as above.
+    "mfu_8b": {"strategy": {"name": "fsdp"}},
     # Adapters sharded: the frozen base split over the ranks (torchao NF4 under FSDP2).
     # Before ZeRO-3 runs: on CPU every job shares one process, and ZeRO-3's partitioned
     # init leaves torch's F.linear patched for the rest of it.
@@ -89,10 +94,16 @@ class Size:
     adapter_lr: float
     """Adapters train few weights and take a larger rate; 1e-2 diverged in bf16 on the
     0.3B GPU model (loss 6.8 -> 4.3 -> 18 in six steps on an H200) and 1e-3 fell to 3.2."""
+    ffn: int = 0
+    """The MLP's width (0: twice the hidden size)."""
+    kv_heads: int = 0
+    """Key/value heads (0: half the heads)."""
+    vocab: int = 0
+    """The model's vocabulary, at least the tokenizer's (0: the tokenizer's)."""
 
     @property
     def intermediate(self) -> int:
-        return 2 * self.hidden
+        return self.ffn or 2 * self.hidden
 
 
 GPU_SIZE = Size(
@@ -109,12 +120,12 @@ def llama_config(size: Size, vocab: int) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": vocab,
+        "vocab_size": max(vocab, size.vocab),
         "hidden_size": size.hidden,
         "intermediate_size": size.intermediate,
         "num_hidden_layers": size.layers,
         "num_attention_heads": size.heads,
-        "num_key_value_heads": max(1, size.heads // 2),
+        "num_key_value_heads": size.kv_heads or max(1, size.heads // 2),
         "max_position_embeddings": max(256, size.block),
         "tie_word_embeddings": False,
         "bos_token_id": 0,
@@ -154,6 +165,8 @@ def job_dict(
 
 def judge(result: dict[str, Any], gpu: bool) -> list[str]:
     """Why this job fails the check (empty: it passes)."""
+    if result.get("kind") == "mfu" or result.get("strategy") == gpucheck_mfu.CASE:
+        return gpucheck_mfu.judge(result, gpu)
     if result.get("error"):
         return [result["error"]]
     problems = []
@@ -249,8 +262,9 @@ def plot(results: list[dict[str, Any]], path: Path, gpu: bool) -> Path:
 # ---------------------------------------------------------------- assets and runs
 
 
-def build_assets(out: Path, size: Size, tokens_needed: int) -> dict[str, str]:
-    """Tokenizer, data and special tokens (shared), and a random Llama of `size`."""
+def build_assets(out: Path, size: Size, tokens_needed: int, bf16: bool = False) -> dict[str, str]:
+    """Tokenizer, data and special tokens (shared), and a random Llama of `size` (saved in
+    bf16 with `bf16`: half the bytes to write and read for the 8B-shaped model)."""
     from tools.tiny import qa_pair, train_tokenizer, write_dataset, write_special_tokens
 
     shared = out / "assets"
@@ -265,14 +279,22 @@ def build_assets(out: Path, size: Size, tokens_needed: int) -> dict[str, str]:
     if not data.exists():
         write_dataset(data, rows, seed=0)
     tokens = write_special_tokens(shared / "tokens.json")
-    model_dir = shared / f"llama-h{size.hidden}-l{size.layers}"
+    shape = f"-f{size.ffn}-k{size.kv_heads}-v{size.vocab}" if size.vocab else ""
+    model_dir = shared / f"llama-h{size.hidden}-l{size.layers}{shape}"
     if not (model_dir / "model.safetensors").exists() and not list(model_dir.glob("*.safetensors")):
         import torch
         from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
         vocab = len(AutoTokenizer.from_pretrained(str(tok_dir)))
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**llama_config(size, vocab)))
+        conf = LlamaConfig(**llama_config(size, vocab))
+        if bf16:  # billions of weights: drawn on the GPU (seconds, not minutes), saved from host
+            with torch.device("cuda"):
+                model = LlamaForCausalLM._from_config(conf, torch_dtype=torch.bfloat16)
+            model.to("cpu")
+            torch.cuda.empty_cache()
+        else:
+            model = LlamaForCausalLM(conf)
         model.save_pretrained(str(model_dir), safe_serialization=True)
         for f in tok_dir.iterdir():
             shutil.copy(f, model_dir / f.name)
@@ -287,6 +309,18 @@ def fitted_size(name: str, size: Size, world: int, gpu_bytes: float | None) -> S
     while size.layers > 1 and predicted(name, size, world) > FIT * gpu_bytes:
         size = replace(size, layers=size.layers // 2)
     return size
+
+
+def case_size(
+    name: str, base: Size, world: int, gpu_bytes: float | None, steps: int | None
+) -> Size:
+    """The model a case trains: the strategies' shared size fitted to the GPU, or for the
+    MFU case the Llama-3-8B shape with the most layers the planner fits (tiny on CPU)."""
+    if name != gpucheck_mfu.CASE:
+        return fitted_size(name, base, world, gpu_bytes)
+    big, tiny = gpucheck_mfu.sizes()
+    size = tiny if gpu_bytes is None else gpucheck_mfu.most_layers(big, world, gpu_bytes)
+    return replace(size, steps=steps) if steps else size
 
 
 def _cfg(name: str, size: Size, world: int, gpu: bool, assets: dict[str, str], storage: str):
@@ -388,6 +422,7 @@ class Job:
             "stop_at": self.stop_at,
             "out": str(self.ranks_dir),
             "name": self.name,
+            "mfu": self.name == gpucheck_mfu.CASE,
         }
 
 
@@ -395,7 +430,8 @@ def prepare(name: str, size: Size, world: int, gpu: bool, out: Path) -> Job:
     storage = out / "runs" / f"{world}x-{name}"
     shutil.rmtree(storage, ignore_errors=True)
     storage.mkdir(parents=True)
-    assets = build_assets(out, size, size.steps * world * size.micro * size.block * 2)
+    tokens = size.steps * world * size.micro * size.block * 2
+    assets = build_assets(out, size, tokens, bf16=gpu and name == gpucheck_mfu.CASE)
     data = job_dict(name, size, world, gpu, assets, str(storage))
     (storage / "job.yaml").write_text(yaml.safe_dump(data))
     return Job(name, size, world, gpu, storage, assets, out / "logs" / f"{world}x-{name}.log")
@@ -434,6 +470,8 @@ def collect(job: Job, rc: int, log: Path, peak: float | None) -> dict[str, Any]:
         return result
     ranks = [json.loads(f.read_text()) for f in files]
     cfg = load_config(job.storage / "job.yaml")
+    if ranks[0].get("kind") == "mfu":
+        return {**result, **gpucheck_mfu.row(job, cfg, ranks, peak)}
     run = resolve(str(job.storage)).join(cfg.run.name)
     records = read_records(run.join("metrics.jsonl"))
     steps, _ = lineage(records)
@@ -637,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     total = len(worlds) * len(args.only or STRATEGIES)
     for world in worlds:
         jobs = [
-            prepare(name, fitted_size(name, base, world, gpu_bytes), world, gpu, args.out)
+            prepare(name, case_size(name, base, world, gpu_bytes, args.steps), world, gpu, args.out)
             for name in args.only or list(STRATEGIES)
         ]
         # On GPUs each job gets its own processes (a crash or a fragmented allocator
@@ -663,6 +701,9 @@ def main(argv: list[str] | None = None) -> int:
         if cal is not None:
             print(f"calibration: {cal.write(args.out / 'calibration.json')}")
     print(table(results, gpu))
+    for r in results:
+        if r.get("kind") == "mfu":
+            print(gpucheck_mfu.line(r))
     for r in results if gpu else []:
         if r.get("sync_sites") is not None:
             sites = ", ".join(f"{s} ×{n}" for s, n in r["sync_sites"])

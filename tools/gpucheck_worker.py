@@ -209,6 +209,13 @@ def main() -> None:
     _measure_context()
     init_process_group(first.backend)
     for item in items:
+        if item.get("mfu"):  # Raylift's step at a Llama-3-8B shape (tools/gpucheck_mfu.py)
+            from tools.gpucheck_mfu import run_rank
+
+            run_rank(
+                Path(item["job"]), Path(item["out"]), load_config(Path(item["job"])).train.max_steps
+            )
+            continue
         run(Path(item["job"]), int(item["stop_at"]), Path(item["out"]), item.get("name", ""))
     dist.barrier()
     dist.destroy_process_group()

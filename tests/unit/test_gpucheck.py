@@ -4,6 +4,7 @@ tests/integration/test_gpucheck.py; the GPU run is `make gpu-check` on a CUDA ma
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -164,3 +165,46 @@ def test_rank_zero_writes_a_gzipped_profiler_trace_beside_the_report(tmp_path, m
     with gpucheck_worker._profiled(types.SimpleNamespace(run=types.SimpleNamespace(name="x"))):
         pass
     assert not (tmp_path / "traces" / "x.json.gz").exists()
+
+
+def test_the_mfu_case_is_llama_3_8b_shaped_with_the_most_layers_the_planner_fits():
+    from tools import gpucheck_mfu
+    from trainer.planner.shape import ModelShape
+
+    big, _ = gpucheck_mfu.sizes()
+    conf = gpucheck.llama_config(big, 520)
+    assert (conf["hidden_size"], conf["num_attention_heads"], conf["num_key_value_heads"]) == (
+        4096,
+        32,
+        8,
+    )
+    assert (conf["intermediate_size"], conf["vocab_size"], conf["num_hidden_layers"]) == (
+        14336,
+        128256,
+        32,
+    )
+    assert 7.9e9 < ModelShape.from_hf_config(conf).params < 8.1e9  # Llama-3-8B's 8.03B
+    h200 = 141e9
+    fitted = gpucheck.case_size(gpucheck_mfu.CASE, gpucheck.GPU_SIZE, 1, h200, None)
+    assert 1 < fitted.layers < 32 and fitted.hidden == 4096  # 8B full FT does not fit one
+    fits = gpucheck.predicted(gpucheck_mfu.CASE, fitted, 1, 128256)
+    more = replace(fitted, layers=fitted.layers + 1)
+    assert fits <= gpucheck.FIT * h200 < gpucheck.predicted(gpucheck_mfu.CASE, more, 1, 128256)
+    # CPU: one layer of 64, the full vocabulary; --steps applies, --layers does not.
+    on_cpu = gpucheck.case_size(gpucheck_mfu.CASE, gpucheck.CPU_SIZE, 2, None, 3)
+    assert (on_cpu.layers, on_cpu.hidden, on_cpu.vocab, on_cpu.steps) == (1, 64, 128256, 3)
+    assert gpucheck.case_size("ddp", gpucheck.CPU_SIZE, 2, None, None) == gpucheck.CPU_SIZE
+
+
+def test_the_mfu_row_is_judged_on_finite_losses_and_an_mfu_on_gpus():
+    from tools import gpucheck_mfu
+
+    row = {"strategy": "mfu_8b", "kind": "mfu", "world": 1, "losses": [12.0, 11.5]}
+    row.update(tokens_per_s=5000.0, mfu=0.41, layers=20, layers_of=32, params=5.1e9)
+    assert gpucheck.judge(row, gpu=True) == []
+    assert "not finite" in gpucheck.judge({**row, "losses": [12.0, float("nan")]}, True)[0]
+    assert "no MFU" in gpucheck.judge({**row, "mfu": None}, gpu=True)[0]
+    assert gpucheck.judge({**row, "mfu": None}, gpu=False) == []
+    text = gpucheck_mfu.line({**row, "step_seconds": 0.5})
+    assert "MFU at Llama-3-8B shape (20 of 32 layers, 5.10B params, 1 GPU(s)): 41.0%" in text
+    assert "mfu_8b" in gpucheck.table([{**row, "problems": []}], gpu=True)
