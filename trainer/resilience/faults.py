@@ -45,9 +45,17 @@ KILL_AFTER_STEP_ENV = "RAYLIFT_FAULT_KILL_AFTER_STEP"
 KILL_AFTER_SNAPSHOT_ENV = "RAYLIFT_FAULT_KILL_AFTER_SNAPSHOT"
 """N: the last rank SIGKILLs itself once its RAM-tier snapshot of step N is on its keepers,
 before anything else of the step runs (the first time only, per run)."""
+KILL_SCHEDULE_ENV = "RAYLIFT_FAULT_KILL_SCHEDULE"
+"""EPOCH:T1,T2,...: a fault schedule in wall time (the cadence bench's, the same for every
+config it compares). The last rank SIGKILLs itself at the end of its first logged step at
+or after EPOCH + Ti (Unix seconds), once for each Ti (a marker file beside the machine's
+temp files; the test cluster is one machine): a Ti that passes while no step runs (a
+restart) fires at the next step. Steps are checked where the step report is due, so use
+train.log_every: 1."""
 WORKER_ENV = (
     UPLOAD_PAUSE_ENV,
     KILL_AFTER_STEP_ENV,
+    KILL_SCHEDULE_ENV,
     HOLD_ENV,
     HOLD_BUDDY_ENV,
     KILL_AFTER_SNAPSHOT_ENV,
@@ -111,6 +119,7 @@ def kill_after_step(
     the first attempt's. `flush` writes the metrics first, so that comparison has both;
     `first_attempt` and `barrier` are collective (rank 0 knows the attempt, every rank must
     agree). N must be a logged step (train.log_every)."""
+    kill_on_schedule(rank, world_size, done)
     at = os.environ.get(KILL_AFTER_STEP_ENV, "")
     if not at or int(at) != done:
         return
@@ -142,6 +151,46 @@ def kill_after_snapshot(done: int, rank: int, world_size: int, pending: Any, run
     log.warning(
         "%s: killing rank %d after the snapshot of step %d", KILL_AFTER_SNAPSHOT_ENV, rank, done
     )
+    for handler in logging.getLogger().handlers + logging.getLogger("trainer").handlers:
+        handler.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def parse_schedule(spec: str) -> tuple[float, list[float]]:
+    """RAYLIFT_FAULT_KILL_SCHEDULE's EPOCH:T1,T2,... as (epoch, [T1, T2, ...])."""
+    epoch, _, times = spec.partition(":")
+    return float(epoch), [float(x) for x in times.split(",") if x.strip()]
+
+
+def schedule_marker(epoch: float, index: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"raylift-kill-schedule-{epoch:.3f}-{index}"
+
+
+def due_kill(spec: str, now: float) -> int | None:
+    """The first scheduled kill that is due at `now` and has not fired, else None."""
+    epoch, times = parse_schedule(spec)
+    for i, t in enumerate(times):
+        if now >= epoch + t and not schedule_marker(epoch, i).exists():
+            return i
+    return None
+
+
+def kill_on_schedule(rank: int, world_size: int, done: int) -> None:
+    """RAYLIFT_FAULT_KILL_SCHEDULE: the last rank SIGKILLs itself when a scheduled kill is
+    due (KILL_SCHEDULE_ENV). The other ranks learn of it in the next collective, as of a
+    worker the kernel's OOM killer took."""
+    spec = os.environ.get(KILL_SCHEDULE_ENV, "")
+    if not spec or rank != world_size - 1:
+        return
+    i = due_kill(spec, time.time())
+    if i is None:
+        return
+    epoch, times = parse_schedule(spec)
+    schedule_marker(epoch, i).touch()
+    log.warning(
+        "%s: killing rank %d after step %d (scheduled kill %d at %.1f s)",
+        KILL_SCHEDULE_ENV, rank, done, i, times[i],
+    )  # fmt: skip
     for handler in logging.getLogger().handlers + logging.getLogger("trainer").handlers:
         handler.flush()
     os.kill(os.getpid(), signal.SIGKILL)

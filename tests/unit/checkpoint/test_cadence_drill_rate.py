@@ -1,0 +1,83 @@
+"""A known failure rate for drills and benches (checkpoint.failure_rate_per_hour): the
+cadence starts from it instead of the pool's prior, the planner's simulator does too, and
+faults that come at the rate the run expects are not a burst (trainer.checkpoint.cadence)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from trainer.checkpoint import cadence as cad
+from trainer.checkpoint.cadence import Cadence, Costs, decide
+from trainer.config import JobConfig
+
+
+def _for_run(records: list[dict], rate: float | None) -> Cadence:
+    got = cad.for_run(
+        every_steps="auto",
+        memory_every="auto",
+        memory_tier=True,
+        max_overhead=0.02,
+        nodes=2,
+        gpus_per_node=1,
+        spot_band=None,
+        journal_records=records,
+        journal=None,
+        failure_rate_per_hour=rate,
+    )
+    assert got is not None
+    return got
+
+
+def test_the_rate_replaces_the_prior_and_the_rule_follows_it() -> None:
+    prior = cad.prior_rates(2, 1, None)
+    drill = cad.prior_rates(2, 1, None, hard_per_hour=120.0)
+    # the same split as the prior's hard failures: a buddy pair's share to storage
+    assert drill.memory == pytest.approx(120.0 * (1 - cad.PAIR_SHARE))
+    assert drill.storage == pytest.approx(120.0 * cad.PAIR_SHARE + cad.DRIVER_FAILURES_PER_HOUR)
+    assert drill.memory > 1000 * prior.memory
+    run = _for_run([], 120.0)
+    assert run.rates.memory == pytest.approx(drill.memory)
+    # Young's interval for a kill every 30 s and a 0.01 s snapshot: √(2 · 0.01 · 31.6) s
+    costs = Costs(step_s=0.05, memory_stall_s=0.01, storage_stall_s=0.01)
+    d = decide(costs, run.rates, memory_tier=True, max_overhead=0.5, max_interval_s=None)
+    young = math.sqrt(2 * 0.01 * 3600 / drill.memory)
+    assert d.memory_every == math.ceil(young / 0.05)
+    assert d.reasons[cad.RAM] == "young"
+
+
+def test_faults_at_the_expected_rate_are_not_a_burst() -> None:
+    now = time.time()
+    kills = [{"event": "failure", "cause": "worker_died", "time": now - 60 + i} for i in (0, 30)]
+    start = [{"event": "attempt", "time": now - 120}]
+    assert _for_run(start + kills, None).burst  # two within 30 min, at the prior's rate
+    assert not _for_run(start + kills, 120.0).burst  # 60 expected in 30 min
+    assert cad.burst_faults(cad.prior_rates(64, 1, ">20%")) == cad.BURST_FAULTS
+    assert cad.burst_faults(cad.prior_rates(2, 1, None, hard_per_hour=120.0)) == 120
+    # the run's own faults, seen at an attempt's start, the same
+    clock = [0.0]
+    c = Cadence(cad.prior_rates(2, 1, None, hard_per_hour=120.0), memory_tier=True,
+                clock=lambda: clock[0])  # fmt: skip
+    for i in range(5):
+        clock[0] = 30.0 * i
+        c.fault("worker_died", 0.01, {"worker_died": i + 1})
+    assert not c.burst
+
+
+def test_the_config_field_and_the_plan_take_the_rate(tmp_path) -> None:
+    from tests.support.jobs import llama7b_job
+    from trainer.config import load_config
+    from trainer.planner.faults_sim import scenario_for_plan
+    from trainer.planner.plan import plan_job
+
+    job = llama7b_job(tmp_path, strategy={"name": "fsdp"})
+    cfg = load_config(job, ["checkpoint.failure_rate_per_hour=6"])
+    assert cfg.checkpoint.failure_rate_per_hour == 6.0
+    assert JobConfig.model_fields["checkpoint"].default_factory().failure_rate_per_hour is None
+    with pytest.raises(Exception, match="failure_rate_per_hour"):
+        load_config(job, ["checkpoint.failure_rate_per_hour=0"])
+    s = scenario_for_plan(cfg, plan_job(cfg, "g5.4xlarge"), days=1, nodes=8)
+    assert s is not None
+    assert s.rates.memory + s.rates.storage == pytest.approx(6 + cad.DRIVER_FAILURES_PER_HOUR)
