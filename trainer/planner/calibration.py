@@ -99,8 +99,29 @@ def read(path: str | os.PathLike[str]) -> Calibration:
     return Calibration.from_dict(raw, str(p))
 
 
-def find(storage: str | None, gpu_model: str | None) -> Calibration | None:
-    """The calibration beside a local storage path's runs for this GPU kind, if any."""
+def find(
+    storage: str | None,
+    gpu_model: str | None,
+    endpoint_override: str | None = None,
+    region: str | None = None,
+) -> Calibration | None:
+    """The calibration beside the storage path's runs for this GPU kind, if any (an s3://
+    path through trainer.planner.history's reader; one it cannot read has none)."""
+    if storage and gpu_model and storage.startswith("s3://"):
+        from trainer.planner import history
+
+        rel = f"{CALIBRATION_DIR}/{gpu_model}.json"
+        try:
+            text = history.s3_text(storage, rel, endpoint_override, region)
+        except history.Unreadable:  # the plan's history line says so
+            return None
+        if text is None:
+            return None
+        where = f"{storage.rstrip('/')}/{rel}"
+        try:
+            return Calibration.from_dict(json.loads(text), where)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{where}: not JSON ({exc.msg}, line {exc.lineno})") from None
     if not storage or "://" in storage or not gpu_model:
         return None
     p = Path(storage) / CALIBRATION_DIR / f"{gpu_model}.json"

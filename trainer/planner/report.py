@@ -194,7 +194,12 @@ def plan_from_args(cfg: JobConfig, args: Any) -> Plan:
         pool = get_instance(args.instance) if args.instance else None
         gpu_model = pool.gpu_model if pool is not None else None
         given = getattr(args, "calibration", None)
-        found = calib.read(given) if given else calib.find(cfg.storage.path, gpu_model)
+        st = cfg.storage
+        found = (
+            calib.read(given)
+            if given
+            else calib.find(st.path, gpu_model, st.endpoint_override, st.region)
+        )
         shortfall, history = _history(cfg, gpu_model)
         return plan_job(
             cfg,
@@ -226,7 +231,12 @@ def _history(cfg: JobConfig, gpu_model: str | None) -> tuple[float | None, list[
         strategy = Setup.from_config(cfg).strategy
     except Exception:  # the plan itself reports what is wrong with the job
         return None, []
-    return history.assess(history.past_runs(cfg.storage.path, gpu_model, strategy))
+    st = cfg.storage
+    try:
+        runs = history.past_runs(st.path, gpu_model, strategy, st.endpoint_override, st.region)
+    except history.Unreadable as exc:  # planned without history, and said so
+        return None, [f"history: {exc}"]
+    return history.assess(runs)
 
 
 def submit_refusal(cfg: JobConfig, args: Any) -> str | None:
