@@ -13,7 +13,9 @@ the wall time; dollars are node-hours at the pool's price. The intervals' phase 
 as the average (a step costs step_s + C_mem/m + C_sto/k): a first-order simplification,
 stated in docs/checkpoints.md.
 
-Pure Python with `random` (no numpy): `raylift plan` runs it on a laptop.
+Pure Python with `random` (no numpy): `raylift plan` runs it on a laptop. The same model
+given a run's fault schedule instead of sampled failures, step by step with the run's own
+cadence component: `trainer.planner.faults_replay`.
 """
 
 from __future__ import annotations
