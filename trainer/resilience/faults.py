@@ -40,6 +40,11 @@ on meanwhile. The holder touches PATH.buddy.r<RANK>."""
 UPLOAD_PAUSE_ENV = "RAYLIFT_FAULT_UPLOAD_PAUSE_S"
 """Seconds every checkpoint upload pauses between its data files and its manifests, the
 window a kill or a storage outage must not turn into a checkpoint that looks complete."""
+SLOW_STORAGE_ENV = "RAYLIFT_FAULT_SLOW_STORAGE"
+"""PATH:SECONDS: while the file PATH exists, every checkpoint upload that starts pauses
+SECONDS more between its data files and its manifests: a storage slowdown a test switches
+on and off in the middle of a run (the cadence's write floor must lengthen the storage
+interval)."""
 KILL_AFTER_STEP_ENV = "RAYLIFT_FAULT_KILL_AFTER_STEP"
 """N: the first attempt's last rank SIGKILLs itself once every rank has finished step N."""
 KILL_AFTER_SNAPSHOT_ENV = "RAYLIFT_FAULT_KILL_AFTER_SNAPSHOT"
@@ -54,6 +59,7 @@ restart) fires at the next step. Steps are checked where the step report is due,
 train.log_every: 1."""
 WORKER_ENV = (
     UPLOAD_PAUSE_ENV,
+    SLOW_STORAGE_ENV,
     KILL_AFTER_STEP_ENV,
     KILL_SCHEDULE_ENV,
     HOLD_ENV,
@@ -99,8 +105,13 @@ def hold_write(step: int, rank: int) -> None:
 
 
 def upload_pause_s() -> float:
-    """RAYLIFT_FAULT_UPLOAD_PAUSE_S, 0 when unset."""
-    return float(os.environ.get(UPLOAD_PAUSE_ENV, "0") or 0)
+    """RAYLIFT_FAULT_UPLOAD_PAUSE_S (0 when unset), plus RAYLIFT_FAULT_SLOW_STORAGE's
+    seconds while its file exists."""
+    pause = float(os.environ.get(UPLOAD_PAUSE_ENV, "0") or 0)
+    path, _, seconds = os.environ.get(SLOW_STORAGE_ENV, "").rpartition(":")
+    if path and Path(path).exists():
+        pause += float(seconds)
+    return pause
 
 
 def kill_after_step(
