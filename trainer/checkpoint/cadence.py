@@ -445,7 +445,7 @@ class Cadence:
         burst = burst_ranks > 0
         mem_every = max(1, round(mem / n)) if self.memory_tier else 0
         sto_every = max(1, round(sto / n))
-        if mem_every:
+        if mem_every and self.fixed_storage is None:  # a number the user set stays that
             sto_every = max(mem_every, round(sto_every / mem_every) * mem_every)
         old = self.decision
         if old is not None and old.inputs.get("burst") == burst:

@@ -81,3 +81,23 @@ def test_the_config_field_and_the_plan_take_the_rate(tmp_path) -> None:
     s = scenario_for_plan(cfg, plan_job(cfg, "g5.4xlarge"), days=1, nodes=8)
     assert s is not None
     assert s.rates.memory + s.rates.storage == pytest.approx(6 + cad.DRIVER_FAILURES_PER_HOUR)
+
+
+def test_a_storage_interval_the_user_set_is_journaled_as_set() -> None:
+    """`every_steps: 25` with `memory_every: auto`: the storage tier stays 25 in the
+    journaled decision (the demo's journal said 19602, the RAM tier's interval rounded up
+    to a 'multiple', while the manager saved every 25)."""
+    log: list[dict] = []
+    c = Cadence(
+        cad.prior_rates(2, 1, None),
+        memory_tier=True,
+        fixed_storage=25,
+        max_interval_s=None,
+        journal=lambda event, **f: log.append(f),
+    )
+    for _ in range(3):
+        c.step_time(0.03)
+    c.saved(cad.RAM, 0.005)
+    c.decide_alone()
+    assert c.decision.memory_every > 25 and c.decision.reasons[cad.STORAGE] == "fixed"
+    assert c.decision.storage_every == 25 and log[-1]["storage_every"] == 25
