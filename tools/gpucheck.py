@@ -289,8 +289,13 @@ def build_assets(out: Path, size: Size, tokens_needed: int, bf16: bool = False) 
         torch.manual_seed(0)
         conf = LlamaConfig(**llama_config(size, vocab))
         if bf16:  # billions of weights: drawn on the GPU (seconds, not minutes), saved from host
-            with torch.device("cuda"):
-                model = LlamaForCausalLM._from_config(conf, torch_dtype=torch.bfloat16)
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)  # any transformers version's way
+            try:
+                with torch.device("cuda"):
+                    model = LlamaForCausalLM(conf)
+            finally:
+                torch.set_default_dtype(default)
             model.to("cpu")
             torch.cuda.empty_cache()
         else:
@@ -669,6 +674,12 @@ def main(argv: list[str] | None = None) -> int:
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory if gpu else None
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "logs").mkdir(exist_ok=True)
+    if gpu:  # the loss kernels side by side, in a process of its own: tools/gpucheck_loss.py
+        bench = [sys.executable, str(ROOT / "tools" / "gpucheck_loss.py"), "--out", str(args.out)]
+        try:
+            subprocess.run(bench, timeout=240, check=False)
+        except subprocess.TimeoutExpired:
+            print("gpucheck: the loss kernels' bench ran past 240 s", flush=True)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
     results: list[dict[str, Any]] = []
     device = torch.cuda.get_device_name(0) if gpu else "cpu"
@@ -686,7 +697,9 @@ def main(argv: list[str] | None = None) -> int:
             names = ", ".join(j.name for j in batch)
             where = f"{world} GPU(s)" if gpu else f"{world} CPU ranks"
             print(f"gpucheck: {names} on {where} ...", flush=True)
-            rc, seconds = run_jobs(batch, log, args.timeout)
+            # The MFU case loads billions of weights: twice a job's time.
+            slow = gpu and any(j.name == gpucheck_mfu.CASE for j in batch)
+            rc, seconds = run_jobs(batch, log, args.timeout * (2 if slow else 1))
             for j in batch:
                 r = collect(j, rc, log, peak)
                 r["seconds"] = seconds
