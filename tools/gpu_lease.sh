@@ -24,8 +24,10 @@ cd "$ROOT" || exit 2
 
 # Pinned as pyproject.toml pins them (pydantic-core, annotated-types and typing-inspection
 # as pydantic 2.14.3 requires; hjson for DeepSpeed).
+# liger-kernel as the GPU image pins it (images/bnb/requirements.lock; Triton is torch's).
 WHEELS=(pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0
-        typing-inspection==0.4.5 torchao==0.18.0 hjson==3.1.0 bitsandbytes==0.50.2)
+        typing-inspection==0.4.5 torchao==0.18.0 hjson==3.1.0 bitsandbytes==0.50.2
+        liger-kernel==0.8.5)
 DEEPSPEED=deepspeed==0.19.8
 # Most telling first: a lease that runs out keeps the rows it finished (report.json).
 STRATEGIES="${GPULEASE_ONLY:-ddp fsdp zero3 mfu_8b lora fsdp_qlora zero2 fsdp_ac fsdp_lora qlora zero3_lora}"
@@ -66,7 +68,8 @@ run() {
     python3 - > "$OUT/versions.txt" 2>&1 <<'PY'
 import importlib, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.get_device_name(0))
-for name in ("transformers", "peft", "accelerate", "pydantic", "deepspeed", "torchao", "pynvml"):
+for name in ("transformers", "peft", "accelerate", "pydantic", "deepspeed", "torchao", "pynvml",
+             "triton", "liger_kernel"):
     try:
         print(name, getattr(importlib.import_module(name), "__version__", "?"))
     except Exception as exc:

@@ -400,11 +400,12 @@ class TrainSection(_Section):
         "every node (inductor builds its kernels there); the first steps are slower while "
         "it compiles. Off by default: on CPU it did not pay (docs: strategies, benchmarks).",
     )
-    loss: Literal["auto", "chunked", "plain"] = Field(
+    loss: Literal["auto", "chunked", "liger", "plain"] = Field(
         default="auto",
-        description="The causal-LM loss: chunked never holds a batch's whole logits (liger-kernel "
-        "on GPUs when installed); auto = chunked for the families it was checked on, "
-        "plain (the model's own) otherwise and under pp/tp (docs: strategies).",
+        description="The causal-LM loss: chunked never holds a batch's whole logits (Raylift's "
+        "torch version); liger = liger-kernel's fused linear cross-entropy (GPUs only); auto "
+        "= liger on GPUs where it is installed, else chunked, for the families it was "
+        "checked on (pp and tp included), plain (the model's own) otherwise (docs: strategies).",
     )
     loss_chunk: int = Field(default=1024, ge=1, description="Tokens per chunk of the chunked loss.")
 
@@ -833,6 +834,11 @@ class JobConfig(_Section):
             raise ValueError(
                 f"train.precision: {t.precision} needs GPUs (scaling.use_gpu: true); "
                 "use fp32 for CPU training"
+            )
+        if t.loss == "liger" and not s.use_gpu:
+            raise ValueError(
+                "train.loss: liger runs liger-kernel's Triton kernel on GPUs only (scaling."
+                "use_gpu: true); use auto or chunked for CPU training"
             )
         if s.backend == "nccl" and not s.use_gpu:
             raise ValueError("scaling.backend: nccl needs scaling.use_gpu: true; use gloo or ccl")

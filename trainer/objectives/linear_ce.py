@@ -27,12 +27,15 @@ head is called with the labels, and the backbone gets the attention kwargs (docu
 masking) untouched. Without labels both return what they always did (logits), so eval
 logits, probes and exports are unchanged.
 
-On a GPU, liger-kernel's fused linear cross-entropy (Triton) runs the same computation
-when it is importable; elsewhere, or if it is not, the chunked torch version below.
+Which kernel computes it (`pick_kernel`, from `train.loss`): on a CUDA device, liger-kernel's
+fused linear cross-entropy (Triton; in the GPU image) for `auto` and `liger` when it is
+importable and can give what autograd asks of it; the chunked torch version below
+everywhere else, and always for `chunked`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 from typing import Any
@@ -202,21 +205,68 @@ def chunked_linear_cross_entropy(
     return total / divisor
 
 
-def _liger_loss(
+# ------------------------------------------------------------------ liger-kernel on CUDA
+
+KERNELS = ("auto", "chunked", "liger")
+"""A head's kernel setting: `train.loss` less plain."""
+
+LIGER_VERSION = "0.8.5"
+"""The liger-kernel the GPU image pins (images/bnb/requirements.in) and whose
+`liger_fused_linear_cross_entropy` and fused_linear_cross_entropy_forward were read."""
+
+
+@functools.cache
+def liger_importable() -> bool:
+    """Whether liger-kernel's fused linear cross-entropy (and Triton under it) imports."""
+    try:
+        from liger_kernel.transformers.functional import (  # noqa: F401
+            liger_fused_linear_cross_entropy,
+        )
+    except Exception:  # ImportError, or Triton failing to find a driver
+        return False
+    return True
+
+
+def pick_kernel(kernel: str, cuda: bool, importable: bool, weight_grad_only: bool) -> str:
+    """What a labelled head runs: "liger" or "chunked" (ours). `chunked` always runs ours.
+    `auto` and `liger` run liger's on a CUDA device when it is importable, except where
+    autograd wants lm_head's weight gradient without the hidden states' (a frozen
+    backbone under a trained head): liger 0.8.5 computes the weight's gradient only
+    together with its input's, so ours runs there."""
+    if kernel not in KERNELS:
+        raise ValueError(f"loss kernel {kernel!r}: one of {', '.join(KERNELS)}")
+    if kernel == "chunked" or not cuda or not importable or weight_grad_only:
+        return "chunked"
+    return "liger"
+
+
+def _kernel_for(kernel: str, hidden: torch.Tensor, weight: torch.Tensor) -> str:
+    if kernel == "chunked" or not hidden.is_cuda:  # never imports liger off CUDA
+        return "chunked"
+    weight_only = torch.is_grad_enabled() and weight.requires_grad and not hidden.requires_grad
+    return pick_kernel(kernel, True, liger_importable(), weight_only)
+
+
+def liger_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     labels: torch.Tensor,
-    num_items_in_batch: Any,
-    softcap: float | None,
-) -> torch.Tensor | None:
-    """liger-kernel's fused linear cross-entropy (Triton, CUDA only) as a token sum over
-    the same divisor; None when it is not importable (the chunked version runs)."""
-    try:
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-    except ImportError:
-        return None
+    num_items_in_batch: Any = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The same loss through liger-kernel's fused linear cross-entropy (CUDA only): a
+    token sum over the same divisor, the weight's gradient accumulated in fp32. Under
+    autocast with fp32 weights liger's own mixed-precision path runs (bf16 logits, fp32
+    weight gradient); hidden states and weight of different dtypes otherwise are cast to
+    the dtype lm_head's matmul runs in, as the plain loss's matmul would be."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
     h = hidden.reshape(-1, hidden.shape[-1])
+    if h.dtype != weight.dtype:
+        compute = _compute_dtype(h, weight)
+        h, weight = h.to(compute), weight.to(compute)
+        bias = None if bias is None else bias.to(compute)
     targets = shifted_targets(labels).to(h.device)
     out = liger_fused_linear_cross_entropy(
         h,
@@ -240,14 +290,11 @@ def linear_cross_entropy(
     num_items_in_batch: Any = None,
     softcap: float | None = None,
     chunk: int = DEFAULT_CHUNK,
-    fused: bool = True,
+    kernel: str = "auto",
 ) -> torch.Tensor:
-    """The loss on the best path this device has: liger's fused kernel on CUDA when it is
-    installed (and `fused`), else the chunked torch version."""
-    if fused and hidden.is_cuda:
-        loss = _liger_loss(hidden, weight, bias, labels, num_items_in_batch, softcap)
-        if loss is not None:
-            return loss
+    """The loss through the kernel `pick_kernel` chooses for these tensors."""
+    if _kernel_for(kernel, hidden, weight) == "liger":
+        return liger_linear_cross_entropy(hidden, weight, bias, labels, num_items_in_batch, softcap)
     return chunked_linear_cross_entropy(
         hidden, weight, bias, labels, num_items_in_batch, softcap, chunk
     )
@@ -261,7 +308,7 @@ class LinearCEHead(torch.nn.Linear):
     same state-dict keys; without labels it is nn.Linear."""
 
     chunk: int = DEFAULT_CHUNK
-    fused: bool = True
+    kernel: str = "auto"
 
     def forward(  # type: ignore[override]
         self,
@@ -280,7 +327,7 @@ class LinearCEHead(torch.nn.Linear):
             num_items_in_batch,
             softcap,
             self.chunk,
-            self.fused,
+            self.kernel,
         )
 
 
@@ -306,40 +353,41 @@ def supported(model: Any) -> bool:
     )
 
 
-def install(model: Any, chunk: int = DEFAULT_CHUNK, fused: bool = True) -> bool:
+def install(model: Any, chunk: int = DEFAULT_CHUNK, kernel: str = "auto") -> bool:
     """Make `model` (a freshly built HF causal LM, on any device, meta included) compute
-    its labelled loss chunk-wise. False, with nothing changed, for a model it does not
-    know (the plain loss stays)."""
+    its labelled loss chunk-wise (`kernel`: see pick_kernel). False, with nothing
+    changed, for a model it does not know (the plain loss stays)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"loss kernel {kernel!r}: one of {', '.join(KERNELS)}")
     if not supported(model):
         log.info("loss: %s keeps the plain loss (not a verified causal LM)", type(model).__name__)
         return False
     head = model.lm_head
     head.__class__ = LinearCEHead
-    head.chunk, head.fused = int(chunk), bool(fused)
+    head.chunk, head.kernel = int(chunk), kernel
     model.forward = types.MethodType(_forward, model)
     return True
 
 
-def configure(model: Any, loss: str, chunk: int = DEFAULT_CHUNK, split: bool = False) -> bool:
-    """`train.loss` on a freshly built causal LM: whether the chunked loss is now its own.
-    `split`: the model is cut into pipeline stages or split over tp, where the last
-    stage's loss runs outside the model, so the plain loss stays."""
+def configure(model: Any, loss: str, chunk: int = DEFAULT_CHUNK) -> bool:
+    """`train.loss` on a freshly built causal LM (whole, before any pipeline cut or tp
+    split): whether the chunked loss is now its own. Under tp lm_head stays replicated,
+    so the model's forward is unchanged; a pipeline's last stage keeps the LinearCEHead
+    and trainer.parallel.pipeline.last_stage_loss calls it with the labels."""
     from trainer.errors import UserError
 
     if loss == "plain":
         return False
-    if split:
-        if loss == "chunked":
-            raise UserError(
-                "train.loss chunked: not available with strategy pp or tp above 1 (the "
-                "pipeline's loss runs outside the model); use auto or plain"
-            )
-        return False
-    if install(model, chunk):
-        return True
-    if loss == "chunked":
+    if loss == "liger" and not liger_importable():
         raise UserError(
-            f"train.loss chunked: {type(model).__name__} is not a causal LM the chunked "
+            "train.loss liger: liger_kernel does not import on this worker (the GPU image "
+            f"has liger-kernel=={LIGER_VERSION}; elsewhere pip install it); use auto or chunked"
+        )
+    if install(model, chunk, loss):
+        return True
+    if loss in ("chunked", "liger"):
+        raise UserError(
+            f"train.loss {loss}: {type(model).__name__} is not a causal LM the chunked "
             f"loss was checked against ({', '.join(sorted(CAUSAL_LMS))}); use auto or plain"
         )
     return False
@@ -401,9 +449,13 @@ def _forward(
 __all__ = [
     "CAUSAL_LMS",
     "DEFAULT_CHUNK",
+    "KERNELS",
     "LinearCEHead",
     "chunked_linear_cross_entropy",
     "configure",
     "install",
+    "liger_importable",
+    "liger_linear_cross_entropy",
     "linear_cross_entropy",
+    "pick_kernel",
 ]

@@ -6,7 +6,9 @@ and drop `embed_tokens`, `norm` and `lm_head` where the stage does not own them.
 names stay the Hugging Face ones ("model.layers.7.mlp.up_proj.weight"), which is what lets
 a checkpoint written under one (dp, pp, tp) layout load under another, and the export be a
 plain HF folder. Each stage recomputes the rotary (cos, sin) from the positions: only the
-hidden state travels between stages.
+hidden state travels between stages. With the chunked loss (train.loss auto or chunked) the
+last stage ends at its final norm and the schedule's loss function runs its lm_head with
+the labels (`last_stage_loss`), so no stage ever holds a micro batch's whole logits.
 
 Families whose causal LM is `model.{embed_tokens, layers, norm, rotary_emb}` + `lm_head`
 and whose layers take `position_embeddings=` work: Llama, Mistral, Qwen2, Qwen3, Phi-3
@@ -25,6 +27,7 @@ import torch
 
 from trainer.errors import UserError
 from trainer.model import families
+from trainer.objectives import linear_ce
 
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
@@ -83,9 +86,36 @@ def _stage_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         h = layer(h, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
     if inner.norm is not None:
         h = inner.norm(h)
-    if self.lm_head is not None:
+    if self.lm_head is not None and not gives_hidden(self):
         h = self.lm_head(h)
     return h
+
+
+def gives_hidden(part: Any) -> bool:
+    """Whether this stage ends in the chunked loss's head (trainer.objectives.linear_ce):
+    then the last stage hands on its normed hidden states, never the whole logits, and
+    `last_stage_loss` makes the loss from them a chunk at a time."""
+    return isinstance(getattr(part, "lm_head", None), linear_ce.LinearCEHead)
+
+
+def last_stage_loss(
+    part: Any, out: torch.Tensor, labels: torch.Tensor, divisor: torch.Tensor
+) -> torch.Tensor:
+    """The last stage's loss: its targets' summed cross-entropy over `divisor`. With the
+    chunked loss `out` is the hidden state and the loss is made inside lm_head's call (so
+    FSDP2's root, which has kept lm_head unsharded since the stage's forward, sees the
+    weight it gathered, and the weight's gradient lands where FSDP2 reduces it)."""
+    if gives_hidden(part):
+        return part.lm_head(out, labels=labels, num_items_in_batch=divisor)
+    return token_loss_sum(out, labels) / divisor
+
+
+def stage_logits(part: Any, out: torch.Tensor) -> torch.Tensor:
+    """The logits of the last stage's output (its hidden states, with the chunked loss)."""
+    if not gives_hidden(part):
+        return out
+    with torch.no_grad():
+        return part.lm_head(out)
 
 
 def _causal_masks(config: Any, h: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:

@@ -60,7 +60,7 @@ class Setup:
     expandable_segments: bool = True
     """scaling.expandable_segments: the allocator's slack line (trainer.planner.device)."""
     loss: str = "plain"
-    """train.loss: auto | chunked | plain (`chunked_loss` says which one runs)."""
+    """train.loss: auto | chunked | liger | plain (`chunked_loss` says which one runs)."""
     loss_chunk: int = 1024
 
     @classmethod
@@ -251,10 +251,11 @@ CAUSAL_LMS; a unit test keeps the two lists one)."""
 
 def chunked_loss(shape: ModelShape, s: Setup) -> bool:
     """Whether the run computes its loss chunk-wise (trainer.objectives.linear_ce.configure):
-    train.loss chunked, or auto on a checked family; never under pp or tp."""
-    if s.loss == "plain" or s.tp * s.pp > 1:
+    train.loss chunked, or auto on a checked family; under tp (lm_head replicated) and on
+    pp's last stage too (trainer.parallel.pipeline.last_stage_loss)."""
+    if s.loss == "plain":
         return False
-    return s.loss == "chunked" or shape.model_type in (*CHUNKED_FAMILIES, "")
+    return s.loss in ("chunked", "liger") or shape.model_type in (*CHUNKED_FAMILIES, "")
 
 
 def logits_bytes(shape: ModelShape, s: Setup, tokens: int) -> float:
@@ -267,10 +268,19 @@ def logits_bytes(shape: ModelShape, s: Setup, tokens: int) -> float:
     in mixed precision the matmul's output and the gradient's cast (c), and tanh's value
     under a softcap (4); plus what it keeps from forward to backward: the gradient wrt the
     hidden states (tokens · h · c) and, when lm_head trains, its fp32 weight gradient
-    (vocab · h · 4)."""
+    (vocab · h · 4). train.loss liger (liger-kernel 0.8.5): its own chunk, the tokens over
+    ceil(vocab / h) rounded up to a power of two, holds one logits buffer in the compute
+    dtype (c, its gradient written in place), plus the same kept gradients. `auto` counts
+    the chunked version's buffers, the larger, since whether liger imports on the worker
+    is not known here."""
     v, softcap = shape.vocab, bool(shape.logit_softcap)
     if not chunked_loss(shape, s):
         return float(tokens * (s.c + 12 + s.c * softcap) * v)
+    if s.loss == "liger":
+        per = -(-tokens // -(-v // shape.hidden))
+        chunk = min(tokens, 1 << max(0, per - 1).bit_length())
+        kept = tokens * shape.hidden * s.c + (4 * v * shape.hidden if s.adapter == "none" else 0)
+        return float(chunk * v * s.c + kept)
     chunk = min(tokens, s.loss_chunk)
     per_entry = 4 + (s.c if s.mixed else 0) + 4 * softcap
     kept = tokens * shape.hidden * s.c + (4 * v * shape.hidden if s.adapter == "none" else 0)

@@ -150,8 +150,9 @@ class FSDPStrategy(ModelCalls):
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
-        split = self.pp > 1 or self.tp > 1
-        linear_ce.configure(model, cfg.train.loss, cfg.train.loss_chunk, split=split)
+        # Under tp lm_head stays replicated (trainer.parallel.tp); under pp the last stage
+        # runs it with the labels in the schedule's loss (pipeline.last_stage_loss).
+        linear_ce.configure(model, cfg.train.loss, cfg.train.loss_chunk)
         nf4_names: list[str] = []
         if self.adapter:
             # PEFT on the meta skeleton (the config refuses adapters with tp/pp > 1).
@@ -243,6 +244,8 @@ class FSDPStrategy(ModelCalls):
         ]
         self.has_first = 0 in self.stage_ids
         self.has_last = self.n_stages - 1 in self.stage_ids
+        if self.has_last:
+            self.last_part = self.parts[self.stage_ids.index(self.n_stages - 1)]
         self._divisor = torch.ones((), device=self.device)
         self.schedule = build_schedule(
             self.opts.pp_schedule, stages, self.opts.n_microbatches, self._loss
@@ -263,10 +266,10 @@ class FSDPStrategy(ModelCalls):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        from trainer.parallel.pipeline import token_loss_sum
+    def _loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from trainer.parallel.pipeline import last_stage_loss
 
-        return token_loss_sum(logits, labels) / self._divisor
+        return last_stage_loss(self.last_part, out, labels, self._divisor)
 
     def _pipeline(self, x: torch.Tensor, y: torch.Tensor, train: bool) -> tuple[Any, torch.Tensor]:
         """One schedule step over micro batch (x, y); (last stage's outputs, the summed
@@ -354,7 +357,14 @@ class FSDPStrategy(ModelCalls):
         vocab = self.parts[0].config.vocab_size
         logits = torch.zeros((x.shape[0], x.shape[1], vocab), device=self.device)
         if self.has_last:
-            logits = out[: x.shape[0], : x.shape[1]].float().contiguous()
+            from trainer.parallel.pipeline import stage_logits
+
+            kept = out[: x.shape[0], : x.shape[1]]
+            # With the chunked loss the stage gave hidden states and its lm_head makes the
+            # logits here, after the schedule: FSDP2 may have resharded the root by then.
+            self.last_part.unshard()  # type: ignore[operator]
+            logits = stage_logits(self.last_part, kept).float().contiguous()
+            self.last_part.reshard()  # type: ignore[operator]
         dist.all_reduce(logits, group=self.mesh["pp"].get_group())
         return logits
 

@@ -329,7 +329,7 @@ def test_write_locks_layers_pins_by_image(tool, tmp_path: Path, monkeypatch) -> 
     # The +cpu pin comes back as written, not as its PyPI stand-in.
     assert "torch==2.13.0+cpu" in pins("images/base/requirements-cpu.lock")
     assert "torch==2.8.0+cpu" in pins("images/base/requirements-ccl.lock")
-    assert pins("images/bnb/requirements.lock") == {"bitsandbytes==0.50.2"}
+    assert pins("images/bnb/requirements.lock") == {"bitsandbytes==0.50.2", "liger-kernel==0.8.5"}
     assert pins("images/ccl/requirements.lock") == {"oneccl_bind_pt==2.8.0+cpu"}
     trainer = pins("images/trainer/requirements.lock")
     assert {"deepspeed==0.19.8", "einops==1.0", "nvidia-ml-py==1.0", "boto3==1.44.5"} <= trainer

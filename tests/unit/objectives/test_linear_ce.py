@@ -3,7 +3,7 @@ its value and every gradient, and never holds a whole batch's logits: on the bar
 function (ignore labels, the global divisor, bias, softcap, ragged chunks) and through
 real tiny models from their configs (Llama with and without tied embeddings, document
 masking, completion-only labels, a LoRA adapter with a trained lm_head copy, Gemma 2's
-softcap, eval without grad, logits without labels)."""
+softcap, eval without grad, logits without labels, pp's last stage)."""
 
 from __future__ import annotations
 
@@ -170,6 +170,38 @@ def test_eval_without_grad_and_logits_without_labels():
         close(mine(input_ids=x, labels=labels).loss, plain(input_ids=x, labels=labels).loss, "eval")
         assert torch.equal(mine(input_ids=x).logits, plain(input_ids=x).logits)
     assert set(mine.state_dict()) == set(plain.state_dict())
+
+
+def test_the_last_pipeline_stage_makes_the_loss_from_hidden_states():
+    """pp's last stage (trainer.parallel.pipeline) cut from the chunked model hands on its
+    normed hidden states, and the schedule's loss made from them (last_stage_loss, the
+    global divisor) is the plain stage's logits loss in value and every gradient: the
+    stage's parameters and the hidden state it received. Its logits are the plain ones."""
+    from trainer.parallel.pipeline import cut_to_stage, last_stage_loss, stage_logits
+
+    plain, mine = pair(tiny_llama(False))
+    for model in (plain, mine):
+        cut_to_stage(model, 1, 2)
+    batch, seq, vocab, hidden = 2, 12, 96, plain.config.hidden_size
+    x = torch.randn(batch, seq, hidden, generator=torch.Generator().manual_seed(8))
+    labels, divisor = labels_for(batch, seq, vocab), torch.tensor(29.0)
+    x_plain, x_mine = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref = last_stage_loss(plain, plain(x_plain), labels, divisor)
+    ref.backward()
+    with Biggest(vocab) as seen:
+        out = mine(x_mine)
+        got = last_stage_loss(mine, out, labels, divisor)
+    got.backward()
+    assert out.shape == (batch, seq, hidden)
+    assert seen.most < batch * seq * vocab, "the whole logits were made"
+    close(got.detach(), ref.detach(), "loss")
+    close(x_mine.grad, x_plain.grad, "the stage's input")
+    grads = dict(plain.named_parameters())
+    for name, p in mine.named_parameters():
+        close(p.grad, grads[name].grad, name)
+    with torch.no_grad():
+        close(last_stage_loss(mine, mine(x), labels, divisor), ref.detach(), "eval loss")
+        close(stage_logits(mine, mine(x)), plain(x), "logits")
 
 
 def test_an_unknown_model_keeps_the_plain_loss():

@@ -35,8 +35,9 @@ def test_the_chunked_loss_drops_the_whole_logits_from_the_activations():
 def test_which_loss_the_planner_counts():
     assert chunked_loss(LLAMA3_8B, setup(loss="auto"))
     assert not chunked_loss(LLAMA3_8B, setup(loss="plain"))
-    assert not chunked_loss(LLAMA3_8B, setup(loss="auto", pp=2))  # the stage keeps the plain
-    assert not chunked_loss(LLAMA3_8B, setup(loss="auto", tp=2))
+    assert chunked_loss(LLAMA3_8B, setup(loss="auto", pp=2))  # pp's last stage
+    assert chunked_loss(LLAMA3_8B, setup(loss="auto", tp=2))  # lm_head replicated
+    assert not chunked_loss(LLAMA3_8B, setup(loss="plain", pp=2, tp=2))
     other = replace(LLAMA3_8B, model_type="gpt_neox")
     assert not chunked_loss(other, setup(loss="auto")) and chunked_loss(
         other, setup(loss="chunked")
@@ -64,3 +65,19 @@ def test_the_job_config_reaches_the_planner():
 
     assert (job().loss, job().loss_chunk) == ("auto", 1024)
     assert (job(loss="plain", loss_chunk=64).loss, job(loss_chunk=64).loss_chunk) == ("plain", 64)
+
+
+def test_liger_counts_its_own_chunk():
+    """train.loss liger: liger-kernel 0.8.5's chunk is the tokens over ceil(vocab / h),
+    up to a power of two (128 at Llama-3-8B's shape and 8 × 512 tokens), one bf16 logits
+    buffer each; the kept gradients are the chunked version's. auto counts the chunked
+    version's larger buffers (liger may not import on the worker)."""
+    v, h = LLAMA3_8B.vocab, LLAMA3_8B.hidden
+    assert chunked_loss(LLAMA3_8B, setup(loss="liger"))
+    kept = TOKENS * h * 2 + 4 * v * h
+    assert logits_bytes(LLAMA3_8B, setup(loss="liger"), TOKENS) == 128 * v * 2 + kept
+    assert logits_bytes(LLAMA3_8B, setup(loss="auto"), TOKENS) == 1024 * v * 6 + kept
+    small = replace(LLAMA3_8B, vocab=4000)  # one chunk of every token: ceil(4000/4096) = 1
+    assert logits_bytes(small, setup(loss="liger"), 100) == 100 * 4000 * 2 + (
+        100 * h * 2 + 4 * 4000 * h
+    )

@@ -27,5 +27,7 @@ def test_its_wheels_are_the_pinned_versions_and_its_strategies_exist():
     carried = dict(re.findall(r"\b([a-z][a-z0-9-]+)==([0-9][^\s)]*)", text))
     for name in ("pydantic", "torchao", "bitsandbytes", "deepspeed"):
         assert carried[name] == pins[name], name
+    gpu_image = (ROOT / "images" / "bnb" / "requirements.lock").read_text()
+    assert f"liger-kernel=={carried['liger-kernel']}\n" in gpu_image
     default = re.search(r'STRATEGIES="\$\{GPULEASE_ONLY:-([^}]+)\}"', text).group(1).split()
     assert default and set(default) <= set(gpucheck.STRATEGIES)
