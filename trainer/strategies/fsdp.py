@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -368,7 +367,7 @@ class FSDPStrategy(ModelCalls):
         dist.all_reduce(logits, group=self.mesh["pp"].get_group())
         return logits
 
-    def step(self) -> float:
+    def step(self) -> torch.Tensor:
         params = [p for part in self.parts for p in part.parameters()]
         norm = clip_grad_norm_mesh(params, self.cfg.optim.grad_clip, replicas=self.dp * self.tp)
         # Through the group, when there are several: the LR scheduler watches its step.
@@ -629,7 +628,7 @@ def _background_writer_class() -> type:
 
 def clip_grad_norm_mesh(
     params: list[torch.nn.Parameter], max_norm: float | None, replicas: int
-) -> float:
+) -> torch.Tensor:
     """The global gradient norm over every mesh dim, and clipping to `max_norm`.
 
     `clip_grad_norm_` cannot stack norms of DTensors on different meshes (TP weights on
@@ -657,11 +656,14 @@ def clip_grad_norm_mesh(
         sq += g.detach().double().pow(2).sum() * (pieces / replicas)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sq)
-    norm = math.sqrt(float(sq))
+    # On the device: the step report reads the norm when it writes a record (issue 47: a
+    # host read here made every step wait for the GPU). Where the host's test `coef < 1`
+    # failed (NaN included) the coefficient is 1, which leaves every gradient as it was.
+    norm = sq.sqrt()
     if max_norm is not None and grads:
         coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            torch._foreach_mul_(grads, coef)
+        coef = torch.where(coef < 1.0, coef, torch.ones_like(coef)).to(grads[0].dtype)
+        torch._foreach_mul_(grads, coef)
     return norm
 
 
