@@ -190,9 +190,9 @@ def test_the_mfu_case_is_llama_3_8b_shaped_with_the_most_layers_the_planner_fits
     fits = gpucheck.predicted(gpucheck_mfu.CASE, fitted, 1, 128256)
     more = replace(fitted, layers=fitted.layers + 1)
     assert fits <= gpucheck.FIT * h200 < gpucheck.predicted(gpucheck_mfu.CASE, more, 1, 128256)
-    # CPU: one layer of 64, the full vocabulary; --steps applies, --layers does not.
+    # CPU: one layer of 64, vocabulary 32,000; --steps applies, --layers does not.
     on_cpu = gpucheck.case_size(gpucheck_mfu.CASE, gpucheck.CPU_SIZE, 2, None, 3)
-    assert (on_cpu.layers, on_cpu.hidden, on_cpu.vocab, on_cpu.steps) == (1, 64, 128256, 3)
+    assert (on_cpu.layers, on_cpu.hidden, on_cpu.vocab, on_cpu.steps) == (1, 64, 32000, 3)
     assert gpucheck.case_size("ddp", gpucheck.CPU_SIZE, 2, None, None) == gpucheck.CPU_SIZE
 
 
@@ -205,6 +205,6 @@ def test_the_mfu_row_is_judged_on_finite_losses_and_an_mfu_on_gpus():
     assert "not finite" in gpucheck.judge({**row, "losses": [12.0, float("nan")]}, True)[0]
     assert "no MFU" in gpucheck.judge({**row, "mfu": None}, gpu=True)[0]
     assert gpucheck.judge({**row, "mfu": None}, gpu=False) == []
-    text = gpucheck_mfu.line({**row, "step_seconds": 0.5})
+    text = gpucheck_mfu.line({**row, "step_seconds": 0.5, "device": "NVIDIA H200"})
     assert "MFU at Llama-3-8B shape (20 of 32 layers, 5.10B params, 1 GPU(s)): 41.0%" in text
     assert "mfu_8b" in gpucheck.table([{**row, "problems": []}], gpu=True)
