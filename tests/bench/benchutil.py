@@ -5,6 +5,8 @@
 every figure computed and its PASS/MISS line printed, but a MISS does not fail, since a
 smoke-size figure says nothing about the target. What smoke mode catches is a benchmark
 that no longer runs: a refactor that breaks one fails CI, not the next person to measure.
+A benchmark that takes minutes even at smoke size is marked `bench_only` and left to
+`make bench` (docs/development.md names them).
 
 A benchmark names its commands (callables that make one measurement and return its
 figures) and its checks (a figure computed from one round of those, and its target).

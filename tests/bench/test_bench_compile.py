@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import yaml
 
 from tests.bench.benchutil import Check, run_benchmark, size, steady_tokens_per_s, trainer_job
@@ -28,6 +29,9 @@ from trainer.config import load_config
 from trainer.observability.metrics import read_records
 from trainer.runtime.launch import prepare_inputs
 from trainer.storage.location import resolve
+
+# Minutes even at smoke size: make bench runs it, make test leaves it out (docs/development.md).
+pytestmark = pytest.mark.bench_only
 
 STEPS = size("RAYLIFT_BENCH_STEPS", 100, 12, minimum=10)
 HIDDEN = size("RAYLIFT_BENCH_HIDDEN", 256, 64)

@@ -24,9 +24,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.bench.benchutil import Check, run_benchmark, size, smoke
 from tests.support.bench_inputs import make_corpus
 from tools.tiny import build_all
+
+# Minutes even at smoke size: make bench runs it, make test leaves it out (docs/development.md).
+pytestmark = pytest.mark.bench_only
 
 CORPUS_MB = size("RAYLIFT_BENCH_SCALE_MB", 160, 8, minimum=8)
 FILES = 8

@@ -30,6 +30,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.bench.benchutil import Check, optional_env_int, run_benchmark, size, smoke
@@ -39,6 +40,9 @@ from tests.support.s3 import S3_KEY, S3_SECRET, WeedServer
 from tools.tiny import build_all
 from trainer.resilience import journal
 from trainer.storage.location import resolve
+
+# Minutes even at smoke size: make bench runs it, make test leaves it out (docs/development.md).
+pytestmark = pytest.mark.bench_only
 
 EVERY = 25
 # Smoke runs train fewer steps: the recovery kill lands at step 2 × EVERY + 5 (polled every

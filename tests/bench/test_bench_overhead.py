@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.bench.benchutil import (
@@ -56,6 +57,9 @@ from tests.support.torchrun import torchrun
 from tools.tiny import build_all
 from trainer.observability.metrics import read_records
 from trainer.storage.location import resolve
+
+# Minutes even at smoke size: make bench runs it, make test leaves it out (docs/development.md).
+pytestmark = pytest.mark.bench_only
 
 STEPS = size("RAYLIFT_BENCH_STEPS", 120, 10, minimum=10)
 HIDDEN = size("RAYLIFT_BENCH_HIDDEN", 256, 64)

@@ -26,9 +26,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from benchutil import ROOT, Check, results_dir, run_benchmark, size, smoke
 
 from tests.support.bench_inputs import VOCAB, make_model
+
+# Minutes even at smoke size: make bench runs it, make test leaves it out (docs/development.md).
+pytestmark = pytest.mark.bench_only
 
 CASES: dict[str, dict[str, Any]] = {
     "ddp_b4_s256": {"strategy": {"name": "ddp"}, "micro": 4, "block": 256},

@@ -40,6 +40,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.bench.benchutil import (
     ROOT,
     Check,
@@ -52,6 +54,9 @@ from tests.bench.benchutil import (
 )
 from tests.support.bench_inputs import VOCAB, make_model
 from tests.support.torchrun import torchrun
+
+# Minutes even at smoke size: make bench runs it, make test leaves it out (docs/development.md).
+pytestmark = pytest.mark.bench_only
 
 WORLD = 2
 BLOCK, MICRO = 128, 2

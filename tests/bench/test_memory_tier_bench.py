@@ -21,12 +21,16 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.bench.benchutil import Check, run_benchmark, size, smoke, steady_tokens_per_s
 from tests.support.jobs import base_job
 from tests.support.ray_jobs import history, recovery_after_self_kill, run_to_end
 from tools.tiny import build_all
+
+# Minutes even at smoke size: make bench runs it, make test leaves it out (docs/development.md).
+pytestmark = pytest.mark.bench_only
 
 EVERY = size("RAYLIFT_BENCH_MEMORY_EVERY", 25, 5)
 KILL_AT = 2 * EVERY + EVERY // 2

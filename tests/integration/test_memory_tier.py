@@ -75,12 +75,14 @@ def fsdp_reference(tiny, tmp_path_factory) -> dict[str, torch.Tensor]:
     return _weights(root / "runs" / "mem-ref-fsdp" / FINAL)
 
 
-LAYOUTS = {"tp2": {"tp": 2}, "pp2": {"pp": 2, "microbatches": 2}}
+# tp's dcp/2 shards travel the same way as pp's stages and FSDP2's shards (each rank's files
+# are its share); test_parallel resumes tp checkpoints across layouts. CI's time keeps pp.
+LAYOUTS = {"pp2": {"pp": 2, "microbatches": 2}}
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def layout_reference(request, tiny, tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
-    """FSDP2 under tensor or pipeline parallelism (dcp/2), uninterrupted: final weights."""
+    """FSDP2 under pipeline parallelism (dcp/2), uninterrupted: final weights."""
     name = request.param
     root = tmp_path_factory.mktemp(f"memref-{name}")
     strategy = {"name": "fsdp", **LAYOUTS[name]}
@@ -91,7 +93,9 @@ def layout_reference(request, tiny, tmp_path_factory) -> tuple[str, dict[str, to
 
 
 FINAL_ADAPTER = f"export/{ckpt_mod.dir_name(STEPS)}/adapter/adapter_model.safetensors"
-ADAPTERS = ["lora-ddp", "qlora-ddp", "lora-fsdp", "qlora-fsdp"]
+# DDP (rank 0 writes the adapter) and FSDP2 (each rank its shard), LoRA on one and QLoRA on
+# the other: the two other pairs add nothing the snapshot path treats differently.
+ADAPTERS = ["lora-ddp", "qlora-fsdp"]
 
 
 def _adapter_sections(name: str) -> dict[str, Any]:
@@ -233,12 +237,12 @@ def test_fsdp_worker_sigkill_restores_its_shards_from_memory_exactly(
     _check_exact(cfg, fsdp_reference)
 
 
-def test_tp_and_pp_worker_sigkill_restore_from_memory_exactly(
+def test_pp_worker_sigkill_restores_from_memory_exactly(
     ray_cluster, tiny, tmp_path, layout_reference
 ):
-    """tp=2 and pp=2 on two workers: each rank's dcp/2 files (its tensor shard, or its
-    pipeline stage) are its share; after rank 1's SIGKILL both ranks restore them from
-    their node keepers and the run ends with the uninterrupted layout's weights."""
+    """pp=2 on two workers: each rank's dcp/2 files (its pipeline stage) are its share;
+    after rank 1's SIGKILL both ranks restore them from their node keepers and the run ends
+    with the uninterrupted layout's weights."""
     name, want = layout_reference
     strategy = {"name": "fsdp", **LAYOUTS[name]}
     cfg = _sigkill_rank1_after_17(ray_cluster, tiny, tmp_path, f"mem-{name}", strategy=strategy)
