@@ -54,6 +54,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.bench.benchutil import Check, results_dir, run_benchmark, size, smoke
@@ -63,6 +64,11 @@ from tools.tiny import build_all
 from trainer.observability import goodput
 from trainer.resilience import faults, journal
 from trainer.storage.location import resolve
+
+# Minutes even at smoke size (a run with a real kill and restart): make bench runs it, make
+# test leaves it out (docs/development.md); tests/integration/test_cadence_faults.py runs
+# the cadence under faults in CI.
+pytestmark = pytest.mark.bench_only
 
 STEPS = size("RAYLIFT_BENCH_CADENCE_STEPS", 1500, 12)
 KILLS = size("RAYLIFT_BENCH_CADENCE_KILLS", 3, 1)
