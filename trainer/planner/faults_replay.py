@@ -54,6 +54,9 @@ class Attempt:
     restart_s: float = 0.0
     """From its last step to the next attempt's first step: noticing the fault, a new
     worker group's start-up and its restore (an emergency checkpoint's wait included)."""
+    storage_writes: list[float] = field(default_factory=list)
+    """Each storage save's write in order, where the run measured them one by one (a
+    slowdown that came and went); past the list's end, `storage_write_s`."""
 
 
 @dataclass
@@ -151,7 +154,9 @@ def _save(
     returns when the write lands."""
     clock.t = max(clock.t, inflight[tier])
     stall = a.memory_stall_s if tier == RAM else a.storage_stall_s
-    write = a.memory_write_s if tier == RAM else a.storage_write_s
+    write = a.memory_write_s
+    if tier == STORAGE:
+        write = a.storage_writes.pop(0) if a.storage_writes else a.storage_write_s
     clock.t += stall
     cadence.saved(tier, stall)
     inflight[tier] = clock.t + write
