@@ -617,7 +617,10 @@ def _journal_attempt(
     if rt.journal is None:
         return
     previous = [r for r in history if r.get("event") == "train"]
-    last_step = max(max((int(r["step"]) for r in previous), default=start), trained_to)
+    # the steps that had survived every earlier resume: a step lost to an earlier fault was
+    # counted then (a second fault resuming before it would count it twice)
+    survived = lineage(history)[0]
+    last_step = max(max((int(r["step"]) for r in survived), default=start), trained_to)
     last_time = max((float(r["time"]) for r in previous), default=None)
     trained = [  # earlier attempts' rank 0 (other ranks journal only upload retries)
         r

@@ -406,3 +406,27 @@ def test_lost_steps_count_from_the_ram_tiers_newest_snapshot_past_the_written_hi
     assert got["attempt-2-rank0"]["after"] == "failure"
     assert got["attempt-2-rank0"]["lost_steps"] == 2
     assert got["attempt-3-rank0"]["lost_steps"] == 0
+
+
+def test_a_step_lost_to_an_earlier_fault_is_not_counted_again(tmp_path):
+    """Killed after step 15, resumed from 5, killed after 12, resumed from 10: the second
+    attempt lost 10 steps, the third 2 (not 15 - 10: steps 13-15 were lost already)."""
+    from types import SimpleNamespace
+
+    from trainer.loop import _journal_attempt
+
+    run = resolve(str(tmp_path / "run"))
+    journal.Journal(run, "attempt-1-rank0").add("attempt", attempt=1, from_step=0, lost_steps=0)
+    history = [
+        {"event": "train", "attempt": 1, "step": s, "time": 1000.0 + s} for s in range(1, 16)
+    ]
+    rt = SimpleNamespace(journal=journal.Journal(run, "attempt-2-rank0"), run=run, world_size=2)
+    _journal_attempt(rt, 2, history, 5, "memory-own")
+    history += [{"event": "resume", "attempt": 2, "from_step": 5}]
+    history += [
+        {"event": "train", "attempt": 2, "step": s, "time": 2000.0 + s} for s in range(6, 13)
+    ]
+    rt.journal = journal.Journal(run, "attempt-3-rank0")
+    _journal_attempt(rt, 3, history, 10, "memory-buddy")
+    got = {r["source"]: r["lost_steps"] for r in journal.read(run) if r["event"] == "attempt"}
+    assert got["attempt-2-rank0"] == 10 and got["attempt-3-rank0"] == 2
