@@ -65,6 +65,7 @@ LONGEST_FIRST = (
     "test_faults.py",
     "test_autoscaling.py",
     "test_memory_tier.py",
+    "test_cadence_faults.py",
     "test_job_waiting.py",
     "test_ray_train.py",
     "test_adapters_sharded.py",

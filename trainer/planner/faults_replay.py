@@ -6,11 +6,12 @@ its phase averaged. A replay takes the faults a run met (the step each attempt e
 cause, what the restart took) and the costs each attempt measured, and runs the same steps
 through `trainer.checkpoint.cadence.Cadence` on a clock of its own: the same warm-up, the
 same "measuring" saves at an attempt's start, the same Young/Daly decisions and burst after
-two faults, the writes landing `*_write_s` after their saves (one in flight per tier, a
-save due meanwhile waits). At a fault the attempt resumes from the newest save that had
-landed: a worker kill or a node loss from the newer of the RAM tier's snapshot and the
-storage checkpoint, a buddy pair, the cluster or the driver from storage, a drained notice
-from the emergency checkpoint at the step itself. It predicts the steps each fault loses
+two faults, the writes landing `*_write_s` after their saves (a snapshot waits for the one
+in flight; storage uploads queue behind each other while training goes on). At a fault
+the attempt resumes from the newest save that had landed: a worker kill or a node loss
+from the newer of the RAM tier's snapshot and the storage checkpoint, a buddy pair, the
+cluster or the driver from storage, a drained notice from the emergency checkpoint at
+the step itself. It predicts the steps each fault loses
 and the runtime goodput (kept steps' time over the wall time), which the cluster test
 (tests/integration/test_cadence_faults.py) holds against what the run measured.
 
@@ -150,17 +151,20 @@ def _save(
     inflight: dict[str, float],
     writes: list[tuple[float, str, float]],
 ) -> float:
-    """One save of `tier`: wait for the tier's write in flight, stall, start the write;
-    returns when the write lands."""
-    clock.t = max(clock.t, inflight[tier])
+    """One save of `tier`: stall, start the write; returns when the write lands. A
+    snapshot waits for the one in flight (the RAM tier sends one at a time); a storage
+    upload queues behind the one in flight while training goes on (Ray Train's async
+    uploads)."""
+    if tier == RAM:
+        clock.t = max(clock.t, inflight[tier])
     stall = a.memory_stall_s if tier == RAM else a.storage_stall_s
     write = a.memory_write_s
     if tier == STORAGE:
         write = a.storage_writes.pop(0) if a.storage_writes else a.storage_write_s
     clock.t += stall
     cadence.saved(tier, stall)
-    inflight[tier] = clock.t + write
-    heapq.heappush(writes, (inflight[tier], tier, write))
+    inflight[tier] = max(clock.t, inflight[tier]) + write
+    heapq.heappush(writes, (inflight[tier], tier, inflight[tier] - clock.t))
     return inflight[tier]
 
 
