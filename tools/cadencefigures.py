@@ -14,11 +14,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tools.docblock import Block
 from trainer.checkpoint.cadence import SPOT_BANDS
 from trainer.config import JobConfig
 from trainer.planner import faults_sim as fs
 from trainer.planner.catalog import get_instance
 from trainer.planner.plan import plan_job
+from trainer.planner.shape import LLAMA2_7B_CONFIG
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md"
 BEGIN = "<!-- simulated 64-node run (tools/cadencefigures.py --write) -->"
@@ -29,17 +31,6 @@ INSTANCES = ("g5.xlarge", "g5.4xlarge")
 OLD_DEFAULTS = "memory_every off, every_steps end only"
 """faults_sim.FIXED's first entry: what checkpoint.every_steps / memory_every defaulted to
 before `auto` (null and 0)."""
-LLAMA2_7B = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "intermediate_size": 11008,
-    "vocab_size": 32000,
-    "tie_word_embeddings": False,
-    "max_position_embeddings": 4096,
-}
 
 
 def job(model_dir: Path) -> JobConfig:
@@ -64,7 +55,7 @@ def rows() -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "llama-2-7b"
         model.mkdir()
-        (model / "config.json").write_text(json.dumps(LLAMA2_7B))
+        (model / "config.json").write_text(json.dumps(LLAMA2_7B_CONFIG))
         cfg = job(model)
         for instance in INSTANCES:
             s = fs.scenario_for_plan(cfg, plan_job(cfg, instance), DAYS, NODES)
@@ -134,25 +125,9 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def page(text: str) -> str:
-    """The page with its generated table replaced."""
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
-
-
-def main(argv: list[str]) -> int:
-    text = PAGE.read_text()
-    if argv == ["--write"]:
-        PAGE.write_text(page(text))
-        print(f"wrote {PAGE.relative_to(PAGE.parents[1])}")
-        return 0
-    if argv:
-        print("usage: python tools/cadencefigures.py [--write]", file=sys.stderr)
-        return 2
-    print(table())
-    return 0
+BLOCK = Block(PAGE, BEGIN, END, table)
+page = BLOCK.page
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(BLOCK.main(sys.argv[1:], "cadencefigures.py"))

@@ -8,15 +8,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from tools.docblock import Block
 from trainer.planner.memory import Setup
 from trainer.planner.plan import Plan, plan
-from trainer.planner.shape import GIB, ModelShape
+from trainer.planner.shape import GIB, LLAMA2_7B_CONFIG, ModelShape
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "production.md"
 BEGIN = "<!-- planner figures (tools/planfigures.py --write) -->"
 END = "<!-- end of planner figures -->"
 
-LLAMA2_7B = ModelShape(4096, 32, 32, 32, 11008, 32000)
+LLAMA2_7B = ModelShape.from_hf_config(LLAMA2_7B_CONFIG)
 PRODUCTION_JOB = Setup(
     "fsdp", world=16, micro_batch=8, block_size=512, checkpointing=True, precision="bf16"
 )
@@ -48,25 +49,9 @@ def production_paragraph() -> str:
     )
 
 
-def page(text: str) -> str:
-    """The page with its generated paragraph replaced."""
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{production_paragraph()}\n{END}{tail}"
-
-
-def main(argv: list[str]) -> int:
-    text = PAGE.read_text()
-    if argv == ["--write"]:
-        PAGE.write_text(page(text))
-        print(f"wrote {PAGE.relative_to(PAGE.parents[1])}")
-        return 0
-    if argv:
-        print("usage: python tools/planfigures.py [--write]", file=sys.stderr)
-        return 2
-    print(production_paragraph())
-    return 0
+BLOCK = Block(PAGE, BEGIN, END, production_paragraph)
+page = BLOCK.page
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(BLOCK.main(sys.argv[1:], "planfigures.py"))

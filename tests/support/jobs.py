@@ -9,6 +9,8 @@ from typing import Any
 
 import yaml
 
+from trainer.planner.shape import LLAMA2_7B_CONFIG
+
 ROOT = Path(__file__).resolve().parents[2]
 """The repository."""
 
@@ -49,18 +51,7 @@ def write_job(tiny: dict[str, Path], root: Path, name: str, **sections: dict[str
     return path
 
 
-LLAMA2_7B = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "intermediate_size": 11008,
-    "vocab_size": 32000,
-    "tie_word_embeddings": False,
-    "max_position_embeddings": 4096,
-}
-"""Llama-2-7B's config.json, the planner tests' reference shape."""
+LLAMA2_7B = LLAMA2_7B_CONFIG  # the planner tests' reference shape
 
 
 def llama7b_job(tmp_path: Path, **extra: object) -> Path:

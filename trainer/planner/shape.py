@@ -206,6 +206,20 @@ class ModelShape:
         return families.resolve_attention(requested, {"model_type": self.model_type})
 
 
+LLAMA2_7B_CONFIG: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "intermediate_size": 11008,
+    "vocab_size": 32000,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 4096,
+}
+"""Llama-2-7B's config.json: the docs' example jobs (tools/planfigures.py,
+tools/cadencefigures.py) and the planner tests' reference shape."""
+
 _REFERENCE_SHAPES = (
     ModelShape(2048, 22, 32, 4, 5632, 32000),  # TinyLlama-1.1B
     ModelShape(4096, 32, 32, 32, 11008, 32000),  # Llama-2-7B
