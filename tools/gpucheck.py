@@ -675,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "logs").mkdir(exist_ok=True)
     if gpu:  # the loss kernels side by side, in a process of its own: tools/gpucheck_loss.py
-        bench = [sys.executable, str(ROOT / "tools" / "gpucheck_loss.py"), "--out", str(args.out)]
+        bench = [sys.executable, "-m", "tools.gpucheck_loss", "--out", str(args.out)]
         try:
             subprocess.run(bench, timeout=240, check=False)
         except subprocess.TimeoutExpired:

@@ -28,8 +28,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script by gpucheck, in its own process
-    sys.path.insert(0, str(ROOT))
 
 GPU_SHAPES = [(4096, 128256, 8 * 512), (4096, 32000, 8 * 512)]
 """(hidden, vocab, tokens): a Llama-3-8B head, then a Llama-2-sized vocabulary."""

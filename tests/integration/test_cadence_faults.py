@@ -29,10 +29,7 @@ the rule picks are seconds, not hours: each move shows within the run.
 from __future__ import annotations
 
 import itertools
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -40,7 +37,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support.imds import FakeImds
+from tests.support.imds import FakeImds, node_agent
 from tests.support.jobs import base_job
 from tests.support.ray_jobs import history, launch, wait_for
 from tools.jobcli.follow import follow
@@ -155,63 +152,47 @@ def test_cadence_moves_with_a_fault_schedule_and_the_replay_predicts_it(
     ray_cluster.kill_node(_plain_node(ray_cluster))
     ray_cluster.add_node(num_cpus=1, labels={"pool": "cpu"})
     victim = _plain_node(ray_cluster)
-    with FakeImds() as imds, open(tmp_path / "agent.log", "wb") as agent_log:
-        agent = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "trainer",
-                "agent",
-                "--imds-endpoint",
-                imds.endpoint,
-                "--interval",
-                "0.5",
-                "--margin",
-                "10",
-                "--node-id",
-                victim.node_id,
-                "--gcs-address",
-                ray_cluster.address,
+    with (
+        FakeImds() as imds,
+        node_agent(
+            imds,
+            victim.node_id,
+            ray_cluster.address,
+            tmp_path / "agent.log",
+            RAYLIFT_REBALANCE_FILE=str(notice),
+        ),
+    ):
+        # 3. a spot notice once the attempt after the node loss (a burst) has decided
+        wait_for(run.decided(after=node_lost, burst=True), "the burst", client, job_id)
+        imds.trigger_spot(20)  # the agent drains with 10 s left
+        drained = wait_for(
+            lambda: [r for r in run.records() if r["event"] == "preemption"],
+            "the emergency checkpoint",
+            client,
+            job_id,
+        )[0]
+        slow.touch()  # 4. storage is slow from the next attempt on
+        ray_cluster.kill_node(victim)  # the reclaim
+        ray_cluster.add_node(num_cpus=1, labels={"pool": "cpu"})
+        wait_for(run.decided(after=drained["time"]), "the last attempt", client, job_id)
+        imds.trigger_rebalance()
+        wait_for(
+            lambda: [r for r in run.records() if r["event"] == "rebalance"],
+            "the rebalance recommendation in the loop",
+            client,
+            job_id,
+        )[0]
+        wait_for(
+            lambda: [
+                d
+                for d in run.decided(after=drained["time"])()
+                if d["reasons"]["storage"] == "write"
             ],
-            stdout=agent_log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "RAYLIFT_REBALANCE_FILE": str(notice)},
+            "the write floor under slow storage",
+            client,
+            job_id,
         )
-        try:
-            # 3. a spot notice once the attempt after the node loss (a burst) has decided
-            wait_for(run.decided(after=node_lost, burst=True), "the burst", client, job_id)
-            imds.trigger_spot(20)  # the agent drains with 10 s left
-            drained = wait_for(
-                lambda: [r for r in run.records() if r["event"] == "preemption"],
-                "the emergency checkpoint",
-                client,
-                job_id,
-            )[0]
-            slow.touch()  # 4. storage is slow from the next attempt on
-            ray_cluster.kill_node(victim)  # the reclaim
-            ray_cluster.add_node(num_cpus=1, labels={"pool": "cpu"})
-            wait_for(run.decided(after=drained["time"]), "the last attempt", client, job_id)
-            imds.trigger_rebalance()
-            wait_for(
-                lambda: [r for r in run.records() if r["event"] == "rebalance"],
-                "the rebalance recommendation in the loop",
-                client,
-                job_id,
-            )[0]
-            wait_for(
-                lambda: [
-                    d
-                    for d in run.decided(after=drained["time"])()
-                    if d["reasons"]["storage"] == "write"
-                ],
-                "the write floor under slow storage",
-                client,
-                job_id,
-            )
-            slow.unlink()
-        finally:
-            agent.terminate()
-            agent.wait(timeout=30)
+        slow.unlink()
     status, _ = follow(client, job_id, progress=False)
     logs = client.get_job_logs(job_id)
     assert status == "SUCCEEDED", logs[-4000:]
@@ -248,8 +229,15 @@ def judge(run: Run, records: list[dict[str, Any]], node_lost: float) -> tuple[in
     calm = [d for d in run.decided(burst=False)() if d["time"] < node_lost][-1]
     burst = run.decided(after=node_lost, burst=True)()[0]
     assert burst["why"] == "fault burst", burst
-    # Two faults within BURST_S: the RAM tier's interval, in seconds, about halves.
-    assert _seconds(burst, "memory") < 0.75 * _seconds(calm, "memory"), (calm, burst)
+    # Two faults within BURST_S: the rates count BURST_FACTOR times higher, so where
+    # Young/Daly sets the RAM tier's interval it halves against what the rule gives the
+    # same measured costs outside a burst (the guards never lengthen it). Not against the
+    # calm attempt's interval: the costs move between attempts too, and on the loaded VM a
+    # snapshot measured 4 times dearer after the node loss cancelled the halving once.
+    unburst = {**burst, "burst": False}
+    assert _seconds(burst, "memory") <= _seconds(unburst, "memory"), (calm, burst)
+    if burst["reasons"]["memory"] in ("young", "daly"):
+        assert _seconds(burst, "memory") < 0.75 * _seconds(unburst, "memory"), (calm, burst)
     # Slow storage: the write floor lengthens the storage interval past what it was.
     last = run.decided(after=drained["time"])()
     floor = next(d for d in last if d["reasons"]["storage"] == "write")

@@ -376,52 +376,31 @@ def test_spot_notice_checkpoints_at_once_and_loses_no_step(ray_cluster, tiny, tm
     image runs it) drains its node for preemption; the loop sees it at a step boundary,
     checkpoints at once and stops stepping; the node is reclaimed at the deadline, a
     replacement joins, and the run resumes from the emergency checkpoint: zero lost."""
-    from tests.support.imds import SPOT_PATH, TOKEN_PATH, FakeImds
+    from tests.support.imds import SPOT_PATH, TOKEN_PATH, FakeImds, node_agent
 
     cfg, client, job_id = launch(ray_cluster, fault_job(tiny, tmp_path, "spot"))
     run_dir = Path(cfg.storage.path) / cfg.run.name
     run = resolve(str(run_dir))
     victim = _plain_node(ray_cluster)
-    with FakeImds() as imds, open(tmp_path / "agent.log", "wb") as agent_log:
-        agent = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "trainer",
-                "agent",
-                "--imds-endpoint",
-                imds.endpoint,
-                "--interval",
-                "0.5",
-                "--margin",
-                "10",
-                "--node-id",
-                victim.node_id,
-                "--gcs-address",
-                ray_cluster.address,
-            ],
-            stdout=agent_log,
-            stderr=subprocess.STDOUT,
+    with (
+        FakeImds() as imds,
+        node_agent(imds, victim.node_id, ray_cluster.address, tmp_path / "agent.log"),
+    ):
+        wait_for(
+            lambda: any(r["step"] >= 10 for r in _train_records(run_dir)),
+            "step 10",
+            client,
+            job_id,
         )
-        try:
-            wait_for(
-                lambda: any(r["step"] >= 10 for r in _train_records(run_dir)),
-                "step 10",
-                client,
-                job_id,
-            )
-            imds.trigger_spot(25)  # the reclaim in 25 s; the agent drains with 15 s left
-            notice = wait_for(
-                lambda: [r for r in journal.read(run) if r["event"] == "preemption"],
-                "the emergency checkpoint",
-                client,
-                job_id,
-            )[0]
-            ray_cluster.kill_node(victim)  # the reclaim
-            ray_cluster.add_node(num_cpus=1, labels={"pool": "cpu"})  # the pool's replacement
-        finally:
-            agent.terminate()
-            agent.wait(timeout=30)
+        imds.trigger_spot(25)  # the reclaim in 25 s; the agent drains with 15 s left
+        notice = wait_for(
+            lambda: [r for r in journal.read(run) if r["event"] == "preemption"],
+            "the emergency checkpoint",
+            client,
+            job_id,
+        )[0]
+        ray_cluster.kill_node(victim)  # the reclaim
+        ray_cluster.add_node(num_cpus=1, labels={"pool": "cpu"})  # the pool's replacement
         # IMDSv2: a session token first, and no metadata read without it.
         assert imds.requests[0].method == "PUT" and imds.requests[0].path == TOKEN_PATH
         assert imds.requests_to(SPOT_PATH) and all(r.token for r in imds.requests_to(SPOT_PATH))

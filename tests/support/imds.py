@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import secrets
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 HOST = "127.0.0.1"
 TOKEN_PATH = "/latest/api/token"
@@ -253,3 +257,26 @@ class FakeAutoScaling:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+
+
+@contextlib.contextmanager
+def node_agent(
+    imds: FakeImds, node_id: str, gcs_address: str, log_path: Path, **env: str
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`python -m trainer agent` for one Ray node against this metadata service (polling every
+    0.5 s, draining with 10 s of a notice's deadline left), its output in `log_path`, `env`
+    added to this process's environment; ended when the block ends."""
+    argv = [sys.executable, "-m", "trainer", "agent", "--imds-endpoint", imds.endpoint]
+    argv += ["--interval", "0.5", "--margin", "10", "--node-id", node_id]
+    with open(log_path, "wb") as log:
+        agent = subprocess.Popen(
+            [*argv, "--gcs-address", gcs_address],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+        )
+        try:
+            yield agent
+        finally:
+            agent.terminate()
+            agent.wait(timeout=30)
