@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.support.data import TEMPLATE, write
+from tests.support.small_model import tiny_llama
 from trainer.config import ConfigError, load_config
 from trainer.data import packing
 from trainer.data.blocks import PackedBlocks
@@ -22,19 +23,7 @@ LENGTHS = (7, 12, 9)
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    conf = LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(conf).eval()
+    return tiny_llama(0, vocab=97).eval()
 
 
 def _docs() -> list[torch.Tensor]:
