@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import cadence_setup
+from trainer.checkpoint import cadence_setup, fault_history
 from trainer.checkpoint import manager as ckpt_mod
 from trainer.checkpoint.manager import (
     CheckpointManager,
@@ -70,6 +70,9 @@ class Prepared:
     train_caches: list[str]
     """Every source's token cache, in data.train_file / eval_file order."""
     eval_caches: list[str] = field(default_factory=list)
+    past_faults: dict[str, Any] = field(default_factory=dict)
+    """The other runs under storage.path, read once by the driver: their faults and
+    node-hours by pool (trainer.checkpoint.fault_history.Reading.to_dict)."""
 
     @property
     def train_cache(self) -> str:
@@ -227,7 +230,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     end = steps if cfg.train.stop_at_step is None else min(steps, cfg.train.stop_at_step)
     scheduler = build_scheduler(cfg, strategy.optimizer, steps)
     ts = TrainState()
-    manager = _checkpoint_manager(cfg, rt, strategy, scheduler, ts)
+    manager = _checkpoint_manager(cfg, rt, strategy, scheduler, ts, prep.past_faults)
     memory = MemoryTier(cfg, rt, manager, device)  # the RAM tier: snapshots on peers
     start, report = _start_attempt(cfg, rt, manager, memory, strategy, feed, ts, steps, end)
     evaluation = Evaluation(
@@ -333,7 +336,12 @@ class Evaluation:
 
 
 def _checkpoint_manager(
-    cfg: JobConfig, rt: Runtime, strategy: Strategy, scheduler: Any, ts: TrainState
+    cfg: JobConfig,
+    rt: Runtime,
+    strategy: Strategy,
+    scheduler: Any,
+    ts: TrainState,
+    past_runs: dict[str, Any] | None = None,
 ) -> CheckpointManager:
     """The run's checkpoints: the strategy's state, the scheduler and RNG, and the train
     state, saved every checkpoint.every_steps (never in a smoke test)."""
@@ -358,7 +366,7 @@ def _checkpoint_manager(
         every=cfg.checkpoint.every_steps,
         export_every=cfg.checkpoint.export_every,
         enabled=not cfg.train.as_test,
-        cadence=cadence_setup.for_job(cfg, rt),  # the intervals `auto` chooses
+        cadence=cadence_setup.for_job(cfg, rt, past_runs),  # the intervals `auto` chooses
     )
 
 
@@ -402,6 +410,9 @@ def _start_attempt(
             restored and restored[0],
             memory.newest_held,
             restore_s,
+            fault_history.pool_record(
+                rt.node_labels, rt.world_size, cfg.checkpoint.failure_rate_per_hour
+            ),
         )
     # Watching the run (observability.tracking, observability.workerstats): every rank
     # measures, rank 0 gathers and hands the records to the trackers' background senders.
@@ -607,13 +618,15 @@ def _journal_attempt(
     source: str | None,
     trained_to: int = -1,
     restore_s: float = 0.0,
+    pool: dict[str, Any] | None = None,
 ) -> None:
     """The attempt's first journal record: where it resumed (`restored_from`: storage,
     memory-own, memory-buddy; None from scratch), and what the restart cost (steps
     trained past that point, and the wall time since the last step). `history` is the
     metrics file as earlier attempts left it; `trained_to`, a step known trained beyond
     it (the RAM tier's newest snapshot), -1 if none. `began` (when the worker process
-    started) and `restore_s` split the time before it for goodput."""
+    started) and `restore_s` split the time before it for goodput. `pool`: the nodes it
+    runs on, for later runs' failure rates (trainer.checkpoint.fault_history)."""
     if rt.journal is None:
         return
     previous = [r for r in history if r.get("event") == "train"]
@@ -642,6 +655,7 @@ def _journal_attempt(
         lost_s=None if last_time is None else round(time.time() - last_time, 3),
         began=getattr(rt, "began", None),
         restore_s=round(restore_s, 3),
+        pool=pool,
     )
 
 

@@ -16,7 +16,10 @@ The rule (docs/checkpoints.md):
 - The overhead guard: a tier never stalls training more than `checkpoint.max_overhead`
   of its time (Cℓ/τℓ ≤ max_overhead), measured inflation included.
 - The write floor: a tier's interval is never shorter than its background write takes,
-  so writes never queue behind each other.
+  so writes never queue behind each other. Where one is due while the tier's write is
+  still in flight on any rank (a write slower than last measured), it waits for that
+  write to land, training on, instead of stalling the step (Orbax's and Gemini's way):
+  the ranks agree on it through the step's all-reduce.
 - The storage interval is a whole multiple of the RAM tier's.
 - The wall-time cap: the storage interval (and so the RAM tier's, of which it is a
   multiple) is never longer than `checkpoint.max_interval_s` of training: the priors give
@@ -327,7 +330,12 @@ class Cadence:
     tier's stall and write), decides again when a measurement moves by more than
     `MOVE` or a burst starts or ends, journals each decision with its inputs, and answers
     `memory_due` / `storage_due`. Ranks agree through `ask`/`agreed` (the step's
-    all-reduce sums each rank's proposal; every rank rounds the same mean)."""
+    all-reduce sums each rank's proposal; every rank rounds the same mean).
+
+    Its owners tell it what is in flight on this rank (`snapshot_in_flight`, set by the
+    RAM tier; `upload_in_flight`, by the runtime's async uploads), and what blocked the
+    training thread beyond a save's own stall (`blocked`): a step's time is measured
+    without them."""
 
     MOVE = 0.25
     WARMUP_STEPS = 3
@@ -361,6 +369,12 @@ class Cadence:
         self._tick: float | None = None
         self._decided_at = 0
         self._stalled = 0.0
+        self._sample: dict[str, tuple[float | None, float]] = {}
+        self.snapshot_in_flight: Callable[[], bool] = lambda: False
+        self.upload_in_flight: Callable[[], bool] = lambda: False
+        self._busy = {RAM: False, STORAGE: False}
+        self.deferred = {RAM: 0, STORAGE: 0}
+        """Steps at which a save of each tier was due and waited for its write in flight."""
 
     # -- measurements
     def tick(self, done: int) -> None:
@@ -379,11 +393,23 @@ class Cadence:
         self.costs.step_s = self._step_s
 
     def saved(self, tier: str, stall_s: float) -> None:
-        self._stalled += stall_s
-        if tier == RAM:
-            self.costs.memory_stall_s = _ema(self.costs.memory_stall_s or None, stall_s)
-        else:
-            self.costs.storage_stall_s = _ema(self.costs.storage_stall_s or None, stall_s)
+        """A save of `tier` stalled the training thread `stall_s` (its staging copy)."""
+        attr = "memory_stall_s" if tier == RAM else "storage_stall_s"
+        self._sample[tier] = (getattr(self.costs, attr) or None, 0.0)
+        self.blocked(stall_s, tier)
+
+    def blocked(self, seconds: float, tier: str | None = None) -> None:
+        """The training thread was blocked `seconds` more outside the step: by the last
+        save of `tier` (a synchronous upload: part of that save's stall, one sample), or,
+        with no tier, by a wait that is not a cost of the intervals chosen (an upload slot
+        under a storage interval the user fixed, the last checkpoint's upload)."""
+        self._stalled += seconds
+        if tier is None or tier not in self._sample:
+            return
+        before, total = self._sample[tier]
+        self._sample[tier] = (before, total + seconds)
+        attr = "memory_stall_s" if tier == RAM else "storage_stall_s"
+        setattr(self.costs, attr, _ema(before, total + seconds))
 
     def written(self, tier: str, seconds: float) -> None:
         if tier == RAM:
@@ -428,18 +454,20 @@ class Cadence:
 
     def ask(self) -> list[float]:
         """This rank's proposal for the step's all-reduce: [have one, memory, storage, in a
-        burst]."""
+        burst, a snapshot in flight, an upload in flight]."""
+        busy = [float(self.snapshot_in_flight()), float(self.upload_in_flight())]
         d = self.propose()
         if d is None:
-            return [0.0, 0.0, 0.0, 0.0]
-        return [1.0, float(d.memory_every), float(d.storage_every), float(self.burst)]
+            return [0.0, 0.0, 0.0, 0.0, *busy]
+        return [1.0, float(d.memory_every), float(d.storage_every), float(self.burst), *busy]
 
     def agreed(self, summed: list[float]) -> None:
         """The proposals summed over ranks: every rank takes the same rounded mean (and a
         burst when any rank is in one). The current intervals stay unless one moved by
         more than MOVE, at most every REDECIDE_STEPS steps (no flapping on a noisy step
         time), or a burst began or ended. Everything here is the same on every rank."""
-        n, mem, sto, burst_ranks = summed
+        n, mem, sto, burst_ranks, mem_busy, sto_busy = summed
+        self._busy = {RAM: mem_busy > 0, STORAGE: sto_busy > 0}
         if n < 1:
             return
         burst = burst_ranks > 0
@@ -476,6 +504,7 @@ class Cadence:
                 memory_every=d.memory_every,
                 storage_every=d.storage_every,
                 reasons=d.reasons,
+                deferred=dict(self.deferred),
                 **d.inputs,
             )
 
@@ -490,6 +519,9 @@ class Cadence:
             return False
         every = d.memory_every if tier == RAM else d.storage_every
         if every <= 0 or done - self._last[tier] < every:
+            return False
+        if self._busy[tier]:  # its write is still in flight on some rank: train on
+            self.deferred[tier] += 1
             return False
         self._last[tier] = done
         return True
@@ -557,13 +589,20 @@ def for_run(
     journal: Callable[..., Any] | None,
     max_interval_s: float | None = MAX_INTERVAL_S,
     failure_rate_per_hour: float | None = None,
+    past: tuple[dict[str, int], float] | None = None,
 ) -> Cadence | None:
     """The run's cadence when either tier is `auto` (None when both are numbers): priors
-    from the pool (or checkpoint.failure_rate_per_hour), moved by the run's own journal."""
+    from the pool (or checkpoint.failure_rate_per_hour), moved by the run's own journal
+    and by `past`: the faults and hours (as this job's) of the cluster's past runs on its
+    pool (trainer.checkpoint.fault_history), pooled with the run's own."""
     if every_steps != "auto" and memory_every != "auto":
         return None
     rates = prior_rates(nodes, gpus_per_node, spot_band, hard_per_hour=failure_rate_per_hour)
     counts, hours = journal_faults(journal_records)
+    if past is not None:
+        for cause, n in past[0].items():
+            counts[cause] = counts.get(cause, 0) + n
+        hours += past[1]
     rates = observed_rates(rates, counts, hours)
     cadence = Cadence(
         rates,

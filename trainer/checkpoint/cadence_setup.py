@@ -3,34 +3,48 @@
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from typing import Any
 
-from trainer.checkpoint.cadence import (
-    INSTANCE_TYPE_LABELS,
-    Cadence,
-    for_run,
-    memory_tier_on,
-    spot_band_of,
-)
+from trainer.checkpoint import fault_history
+from trainer.checkpoint.cadence import Cadence, for_run, memory_tier_on, spot_band_of
 
 
-def for_job(cfg: Any, rt: Any) -> Cadence | None:
-    """The run's cadence (None when both intervals are numbers, or in a smoke test)."""
+def for_job(cfg: Any, rt: Any, past_runs: dict[str, Any] | None = None) -> Cadence | None:
+    """The run's cadence (None when both intervals are numbers, or in a smoke test).
+    `past_runs`: what the driver read of the other runs under storage.path
+    (fault_history.Reading.to_dict, `Prepared.past_faults`); their faults on this rank's
+    pool move the rates, unless the job states its rate (checkpoint.failure_rate_per_hour)."""
     if cfg.train.as_test:
         return None
-    from trainer.planner.catalog import load_instances
     from trainer.resilience import journal as journal_mod
     from trainer.runtime.worker import RayRuntime
 
     labels = dict(getattr(rt, "node_labels", {}) or {})
-    itype = next((labels[k] for k in INSTANCE_TYPE_LABELS if labels.get(k)), "")
-    spec = load_instances().get(itype)
-    per_node = max(1, spec.gpu_count) if spec is not None else 1
+    pool = fault_history.pool_record(labels, rt.world_size)
     try:
         records = journal_mod.read(rt.run)
     except Exception:  # a journal that cannot be read leaves the priors
         records = []
+    reading = fault_history.Reading.from_dict(past_runs)
+    stated = cfg.checkpoint.failure_rate_per_hour is not None
+    past = (
+        fault_history.PastFaults()
+        if stated
+        else reading.for_pool(pool["instance_type"], pool["market"])
+    )
+    journal = rt.journal.add if getattr(rt, "journal", None) is not None else None
+    if journal is not None:
+        evidence = {
+            "pool": fault_history.pool_key(pool["instance_type"], pool["market"]),
+            **past.record(pool["nodes"]),
+            "past_skipped": len(reading.skipped),
+        }
+        if stated:
+            evidence["past_ignored"] = "checkpoint.failure_rate_per_hour is set"
+        if reading.note:
+            evidence["past_note"] = reading.note
+        journal = _first_decision_with(journal, evidence)
     cadence = for_run(
         every_steps=cfg.checkpoint.every_steps,
         memory_every=cfg.checkpoint.memory_every,
@@ -38,12 +52,28 @@ def for_job(cfg: Any, rt: Any) -> Cadence | None:
         max_overhead=cfg.checkpoint.max_overhead,
         max_interval_s=cfg.checkpoint.max_interval_s,
         failure_rate_per_hour=cfg.checkpoint.failure_rate_per_hour,
-        nodes=math.ceil(rt.world_size / per_node),
-        gpus_per_node=per_node,
+        nodes=pool["nodes"],
+        gpus_per_node=pool["gpus_per_node"],
         spot_band=spot_band_of(labels),
         journal_records=records,
-        journal=rt.journal.add if getattr(rt, "journal", None) is not None else None,
+        journal=journal,
+        past=(past.faults, past.job_hours(pool["nodes"])),
     )
     if cadence is not None and hasattr(rt, "on_persisted"):
         rt.on_persisted = cadence.written
     return cadence
+
+
+def _first_decision_with(
+    journal: Callable[..., Any], evidence: dict[str, Any]
+) -> Callable[..., Any]:
+    """The journal, with what moved the rates added to this attempt's first cadence
+    decision (`rates_from`): the past runs counted, their node-hours, faults per tier."""
+    pending = [evidence]
+
+    def add(event: str, **fields: Any) -> Any:
+        if event == "cadence" and pending:
+            fields["rates_from"] = pending.pop()
+        return journal(event, **fields)
+
+    return add

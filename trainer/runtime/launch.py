@@ -60,9 +60,12 @@ def prepare_inputs(cfg: JobConfig, progress: bool = True) -> Prepared:
                 f"data.train_file {src.path}: {blocks} blocks of {cfg.data.block_size} tokens "
                 f"are fewer than {need}; add data or lower the batch/block size"
             )
+    from trainer.checkpoint.past_runs import for_driver
+
     return Prepared(
         train_caches=[str(c.dir) for c in train],
         eval_caches=[str(c.dir) for c in evals],
+        past_faults=for_driver(cfg),  # the cluster's past runs, for the cadence's rates
     )
 
 

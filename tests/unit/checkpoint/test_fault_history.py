@@ -1,0 +1,190 @@
+"""The cadence's failure rates learn from the cluster's past runs (issue 49): the journals
+of the other runs under storage.path, on the same pool, pooled per node with the run's
+own (trainer.checkpoint.fault_history), read once by the driver (past_runs) and handed to
+every rank (cadence_setup.for_job). Real journal files, written by the real Journal."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from trainer.checkpoint import cadence as cad
+from trainer.checkpoint import cadence_setup, fault_history, past_runs
+from trainer.resilience import journal as journal_mod
+from trainer.resilience.journal import Journal
+from trainer.storage.location import resolve
+
+SPOT = {"ray.io/market-type": "spot", "instance-type": "g5.12xlarge"}  # 4 GPUs a node
+ON_DEMAND = {"instance-type": "g5.12xlarge"}
+T = time.time() - 10 * 86400  # long enough ago that no fault of it is a burst now
+H = 3600.0
+
+
+def _journal(root: Path, run: str, source: str) -> Journal:
+    return Journal(resolve(str(root / run)), source)
+
+
+def _attempt(j: Journal, at: float, n: int, pool: dict | None, after: str = "start") -> None:
+    j.add("attempt", time=at, attempt=n, after=after, from_step=0, pool=pool)
+
+
+def _past_runs(root: Path) -> None:
+    """Two past runs on the new run's pool with faults, one on the on-demand pool of the
+    same type, a drill, a journal from before pools were journaled, an unreadable one."""
+    two, four = (fault_history.pool_record(SPOT, w) for w in (8, 16))
+    assert (two["nodes"], two["gpus_per_node"], two["market"]) == (2, 4, "spot")
+    # past-a, 2 nodes: trained 2 h until a worker died, then 1 h to the end: 6 node-hours
+    a1 = _journal(root, "past-a", "attempt-1-rank0")
+    _attempt(a1, T, 1, two)
+    a1.add("checkpoint", time=T + H, step=100, kind="periodic")
+    _journal(root, "past-a", "controller-1").add("failure", time=T + 2 * H, cause="worker_died")
+    a2 = _journal(root, "past-a", "attempt-2-rank0")
+    _attempt(a2, T + 2.1 * H, 2, two, "failure")
+    a2.add("finished", time=T + 3.1 * H)
+    # past-b, 4 nodes: a node lost after 1 h (4 node-h); 0.5 h, then its driver lost (no
+    # failure record before the next attempt; the new driver's record is not training:
+    # 2 node-h); 0.5 h until a drained notice (counts for neither tier: 2 node-h); 0.5 h
+    # to the end (2 node-h): 10 node-hours
+    ctl = _journal(root, "past-b", "controller-1")
+    b1 = _journal(root, "past-b", "attempt-1-rank0")
+    _attempt(b1, T, 1, four)
+    ctl.add("failure", time=T + H, cause="node_lost")
+    b2 = _journal(root, "past-b", "attempt-2-rank0")
+    _attempt(b2, T + 1.2 * H, 2, four, "failure")
+    b2.add("checkpoint", time=T + 1.7 * H, step=50, kind="periodic")
+    _journal(root, "past-b", "driver-2").add("driver", time=T + 2.9 * H, resubmit=True)
+    b3 = _journal(root, "past-b", "attempt-3-rank0")
+    _attempt(b3, T + 3 * H, 3, four, "failure")
+    ctl.add("failure", time=T + 3.5 * H, cause="preempted")
+    b4 = _journal(root, "past-b", "attempt-4-rank0")
+    _attempt(b4, T + 3.6 * H, 4, four, "failure")
+    b4.add("finished", time=T + 4.1 * H)
+
+    def faulty(run: str, pool: dict | None, kills: int = 3) -> None:
+        j = _journal(root, run, "attempt-1-rank0")
+        _attempt(j, T, 1, pool)
+        for i in range(kills):
+            _journal(root, run, f"controller-{i}").add(
+                "failure", time=T + (i + 1) * 60, cause="worker_died"
+            )
+
+    faulty("other-pool", fault_history.pool_record(ON_DEMAND, 8))
+    faulty("drill", fault_history.pool_record(SPOT, 8, drill_rate=120.0))
+    faulty("old", None)
+    faulty("broken", two)
+    (root / "broken" / "journal" / "controller-9.jsonl").write_bytes(b"\xff\xfe\x00 not text")
+
+
+def _own_run(root: Path) -> Path:
+    """The new run's own folder: its first attempt on the same pool lost a worker after
+    half an hour (its own journal counts through cadence.journal_faults)."""
+    j = _journal(root, "own", "attempt-1-rank0")
+    _attempt(j, T + 5 * H, 1, fault_history.pool_record(SPOT, 8))
+    _journal(root, "own", "controller-1").add("failure", time=T + 5.5 * H, cause="worker_died")
+    return root / "own"
+
+
+def _cfg(**checkpoint: object) -> SimpleNamespace:
+    ck = {"every_steps": "auto", "memory_every": "auto", "max_overhead": 0.02}
+    ck |= {"max_interval_s": None, "failure_rate_per_hour": None, **checkpoint}
+    return SimpleNamespace(
+        train=SimpleNamespace(as_test=False),
+        strategy=SimpleNamespace(name="fsdp"),
+        checkpoint=SimpleNamespace(**ck),
+    )
+
+
+def test_a_new_run_starts_from_the_pooled_rates_of_its_pool(tmp_path) -> None:
+    _past_runs(tmp_path)
+    own = _own_run(tmp_path)
+    reading = past_runs.read_location(resolve(str(tmp_path)), exclude="own")
+    assert reading.skipped == ["broken"]  # not text: skipped, never an error
+    assert reading.read == 5  # past-a, past-b, other-pool, drill, old: not the run itself
+    spot = reading.for_pool("g5.12xlarge", "spot")
+    assert spot.runs == 2
+    assert spot.node_hours == pytest.approx(6.0 + 10.0)
+    assert spot.faults == {"worker_died": 1, "node_lost": 1, "driver_lost": 1, "preempted": 1}
+    assert reading.for_pool("g5.12xlarge", "on-demand").faults == {"worker_died": 3}
+
+    # What every rank gets from the driver (through Ray's config: JSON), on rank 0 with
+    # its journal: the rates its cadence starts from.
+    prepared = json.loads(json.dumps(reading.to_dict()))
+    rt = SimpleNamespace(run=resolve(str(own)), world_size=8, node_labels=SPOT, journal=None)
+    cadence = cadence_setup.for_job(_cfg(), rt, prepared)
+    assert cadence is not None
+    # By hand: the prior of 2 nodes × 4 GPUs on the 10-15 % band, weighted 24 h; the run's
+    # own kill in its 0.5 h; the past runs' 2 RAM-tier faults (worker died, node lost) and
+    # 1 storage fault (the driver) over 16 node-hours = 8 hours of this 2-node job. The
+    # other pool, the drill, the older run and the unreadable one add nothing.
+    prior = cad.prior_rates(2, 4, "10-15%")
+    assert cadence.rates.memory == pytest.approx((prior.memory * 24 + 1 + 2) / (24 + 0.5 + 8))
+    assert cadence.rates.storage == pytest.approx((prior.storage * 24 + 0 + 1) / (24 + 0.5 + 8))
+    assert cadence.rates.memory > 10 * prior.memory  # the past moved it, and by much
+    # A drill states its rate: the past does not move it.
+    drill = cadence_setup.for_job(_cfg(failure_rate_per_hour=6.0), rt, prepared)
+    assert drill is not None
+    stated = cad.prior_rates(2, 4, "10-15%", hard_per_hour=6.0)
+    assert drill.rates.memory == pytest.approx((stated.memory * 24 + 1) / (24 + 0.5))
+
+    # The first decision journals what moved the rates; a later one does not repeat it.
+    rt.journal = Journal(resolve(str(own)), "attempt-2-rank0")
+    cadence = cadence_setup.for_job(_cfg(), rt, prepared)
+    assert cadence is not None
+    for _ in range(cad.Cadence.WARMUP_STEPS):
+        cadence.step_time(1.0)
+    cadence.saved(cad.RAM, 0.01)
+    cadence.saved(cad.STORAGE, 0.01)
+    cadence.decide_alone()
+    cadence.shorten("rebalance")
+    cadence.decide_alone()
+    decisions = [r for r in journal_mod.read(rt.run) if r["event"] == "cadence"]
+    assert len(decisions) == 2
+    assert decisions[0]["rates_from"] == {
+        "pool": "g5.12xlarge/spot",
+        "past_runs": 2,
+        "past_node_hours": 16.0,
+        "past_job_hours": 8.0,
+        "past_faults": {"memory": 2, "storage": 1},
+        "past_skipped": 1,
+    }
+    assert "rates_from" not in decisions[1]
+
+
+def test_the_newest_runs_within_the_budget(tmp_path) -> None:
+    _past_runs(tmp_path)
+    for age, run in enumerate(["past-b", "past-a", "other-pool", "drill", "old", "broken"]):
+        for f in (tmp_path / run / "journal").iterdir():
+            os.utime(f, (T - age * H, T - age * H))
+    store = fault_history._LocalStore(str(tmp_path))  # the laptop's reader, the same layout
+    newest = fault_history.collect(store, exclude=None, max_runs=1)
+    assert (newest.read, list(newest.pools)) == (1, ["g5.12xlarge/spot"])
+    assert newest.pools["g5.12xlarge/spot"].node_hours == pytest.approx(10.0)  # past-b only
+    ticks = iter(range(100))
+    spent = fault_history.collect(store, exclude=None, budget_s=2.5, clock=lambda: next(ticks))
+    assert spent.note is not None and "time budget" in spent.note
+    assert spent.read < 6
+    # storage that cannot be listed: a note, no evidence, no error
+    (tmp_path / "file").write_text("x")
+    nothing = past_runs.read_location(resolve(str(tmp_path / "file")), exclude=None)
+    assert nothing.pools == {} and nothing.note is not None
+
+
+def test_the_attempt_journals_its_pool(tmp_path) -> None:
+    from trainer.loop import _journal_attempt
+
+    run = resolve(str(tmp_path / "run"))
+    rt = SimpleNamespace(run=run, world_size=8, journal=Journal(run, "attempt-1-rank0"))
+    pool = fault_history.pool_record(SPOT, rt.world_size, drill_rate=None)
+    _journal_attempt(rt, 1, [], 0, None, pool=pool)
+    (record,) = journal_mod.read(run)
+    assert record["pool"] == {
+        "instance_type": "g5.12xlarge",
+        "market": "spot",
+        "nodes": 2,
+        "gpus_per_node": 4,
+    }
