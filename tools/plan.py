@@ -6,7 +6,8 @@ cheapest catalog layout that fits and what an epoch costs.
                                   [--days 3 --nodes 64]
 
 The same code as `python -m trainer plan` and as submit's refusal (trainer.planner). Under
-the plan: the goodput a seeded simulation of faults expects (trainer.planner.faults_sim);
+the plan: the goodput a seeded simulation of faults expects (trainer.planner.faults_sim),
+at failure rates the past runs under storage.path moved (trainer.checkpoint.fault_history);
 with --days and --nodes, auto against fixed checkpoint intervals at that size. Exit status:
 0 when the job fits (or is tight), 2 when it does not or the input is bad.
 """
@@ -127,9 +128,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from trainer.checkpoint.fault_history import read_storage
     from trainer.planner.faults_sim import plan_lines  # goodput predicted (issue 49)
 
-    goodput = plan_lines(cfg, plan, args.days, args.nodes)
+    st = cfg.storage  # the past runs there move the failure rates, as they move a run's
+    past = read_storage(st.path, st.endpoint_override, st.region)
+    goodput = plan_lines(cfg, plan, args.days, args.nodes, past=past)
     if args.json:
         print(json.dumps({**plan.to_dict(), "goodput": goodput}, indent=2))
     else:

@@ -241,8 +241,9 @@ def plan_rates(
     head = f"failure rates ({nodes} × {instance} {market})"
     if stated is not None:
         line = (
-            f"{head}: RAM tier {prior.memory:.3g}/h, storage {prior.storage:.3g}/h: "
-            f"checkpoint.failure_rate_per_hour ({stated:g}/h) as stated; past runs not counted"
+            f"{head}: {prior.memory:.3g}/h the RAM tier covers, {prior.storage:.3g}/h only "
+            f"storage covers: checkpoint.failure_rate_per_hour ({stated:g}/h) as stated; past "
+            "runs not counted"
         )
         return prior, line
     past = reading.for_pool(instance, market)
@@ -253,11 +254,11 @@ def plan_rates(
         f"and {past.runs} past run(s) on that pool under storage.path ({past.node_hours:,.1f} "
         f"node-hours; {tiers[RAM]} RAM-tier and {tiers[STORAGE]} storage faults)"
         if past.runs
-        else "alone (no past run on that pool under storage.path)"
+        else "alone" + ("" if reading.note else " (no past run on that pool under storage.path)")
     )
     line = (
-        f"{head}: RAM tier {rates.memory:.3g}/h, storage {rates.storage:.3g}/h: the prior "
-        f"({prior_what}, hardware, weighted as {PRIOR_HOURS:g} h) {moved}"
+        f"{head}: {rates.memory:.3g}/h the RAM tier covers, {rates.storage:.3g}/h only "
+        f"storage covers: the prior ({prior_what}, hardware, weighted as {PRIOR_HOURS:g} h) {moved}"
     )
     if reading.skipped:
         line += f"; {len(reading.skipped)} unreadable run(s) skipped"

@@ -55,6 +55,8 @@ class Scenario:
     memory_tier: bool = True
     restart_s: float = RESTART_S
     """A failure's restart before the restore (a bench passes the one it measured)."""
+    rates_from: str = ""
+    """Which rates, from what (the prior, the past runs on the pool): one line for the plan."""
 
 
 @dataclass
@@ -168,10 +170,17 @@ def compare(
 
 
 def scenario_for_plan(
-    cfg: Any, plan: Any, days: float, nodes: int | None = None, market: str = "spot"
+    cfg: Any,
+    plan: Any,
+    days: float,
+    nodes: int | None = None,
+    market: str = "spot",
+    past: Any = None,
 ) -> Scenario | None:
     """The scenario a plan describes: its layout's nodes (or `nodes` of its node type),
-    the state bytes it stages per rank, its throughput and price; None without a layout."""
+    the state bytes it stages per rank, its throughput and price; None without a layout.
+    `past` (trainer.checkpoint.fault_history.Reading): the past runs under storage.path,
+    whose faults on the node type's pool move the rates as they move a run's."""
     lay = plan.layout or plan.cheapest
     if lay is None:
         return None
@@ -202,18 +211,24 @@ def scenario_for_plan(
         storage_stall_s=share / HOST_COPY_BPS,
         storage_write_s=node_bytes / STORAGE_BPS,
     )
+    rates = prior_rates(
+        n_nodes, max(1, spec.gpu_count), band, hard_per_hour=cfg.checkpoint.failure_rate_per_hour
+    )
+    rates_from = ""
+    if past is not None:
+        from trainer.checkpoint import fault_history
+
+        rates, rates_from = fault_history.plan_rates(
+            rates, past, node.instance, market, n_nodes, band, cfg.checkpoint.failure_rate_per_hour
+        )
     return Scenario(
         nodes=n_nodes,
         gpus_per_node=max(1, spec.gpu_count),
         days=days,
         step_s=step_s,
         costs=costs,
-        rates=prior_rates(
-            n_nodes,
-            max(1, spec.gpu_count),
-            band,
-            hard_per_hour=cfg.checkpoint.failure_rate_per_hour,
-        ),
+        rates=rates,
+        rates_from=rates_from,
         usd_per_node_hour=spec.usd_per_hour("spot" if market == "spot" else "on-demand"),
         memory_restore_s=node_bytes / MEMORY_RESTORE_BPS,
         storage_restore_s=node_bytes / STORAGE_BPS,
@@ -222,12 +237,12 @@ def scenario_for_plan(
 
 
 def plan_lines(
-    cfg: Any, plan: Any, days: float | None, nodes: int | None, seed: int = 0
+    cfg: Any, plan: Any, days: float | None, nodes: int | None, seed: int = 0, past: Any = None
 ) -> list[str]:
     """What `raylift plan` prints under the plan: the expected goodput and cost of faults
     on spot (one day when `days` is not given), and with `days`/`nodes`, auto against
-    fixed intervals."""
-    s = scenario_for_plan(cfg, plan, days or 1.0, nodes)
+    fixed intervals. With `past` (the runs under storage.path), which rates, from what."""
+    s = scenario_for_plan(cfg, plan, days or 1.0, nodes, past=past)
     if s is None:
         return []
     m, k = auto_intervals(s)
@@ -245,6 +260,8 @@ def plan_lines(
         + (f"RAM tier every {m} steps, " if m else "RAM tier off, ")
         + f"storage every {k} steps"
     ]
+    if s.rates_from:
+        lines.append(s.rates_from)
     if days is None and nodes is None:
         return lines
     for name, o in compare(s, seed).items():

@@ -7,84 +7,28 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from tests.support.past_runs import SPOT, H, T, attempt, write_past_runs
 from trainer.checkpoint import cadence as cad
 from trainer.checkpoint import cadence_setup, fault_history, past_runs
 from trainer.resilience import journal as journal_mod
 from trainer.resilience.journal import Journal
 from trainer.storage.location import resolve
 
-SPOT = {"ray.io/market-type": "spot", "instance-type": "g5.12xlarge"}  # 4 GPUs a node
-ON_DEMAND = {"instance-type": "g5.12xlarge"}
-T = time.time() - 10 * 86400  # long enough ago that no fault of it is a burst now
-H = 3600.0
-
 
 def _journal(root: Path, run: str, source: str) -> Journal:
     return Journal(resolve(str(root / run)), source)
-
-
-def _attempt(j: Journal, at: float, n: int, pool: dict | None, after: str = "start") -> None:
-    j.add("attempt", time=at, attempt=n, after=after, from_step=0, pool=pool)
-
-
-def _past_runs(root: Path) -> None:
-    """Two past runs on the new run's pool with faults, one on the on-demand pool of the
-    same type, a drill, a journal from before pools were journaled, an unreadable one."""
-    two, four = (fault_history.pool_record(SPOT, w) for w in (8, 16))
-    assert (two["nodes"], two["gpus_per_node"], two["market"]) == (2, 4, "spot")
-    # past-a, 2 nodes: trained 2 h until a worker died, then 1 h to the end: 6 node-hours
-    a1 = _journal(root, "past-a", "attempt-1-rank0")
-    _attempt(a1, T, 1, two)
-    a1.add("checkpoint", time=T + H, step=100, kind="periodic")
-    _journal(root, "past-a", "controller-1").add("failure", time=T + 2 * H, cause="worker_died")
-    a2 = _journal(root, "past-a", "attempt-2-rank0")
-    _attempt(a2, T + 2.1 * H, 2, two, "failure")
-    a2.add("finished", time=T + 3.1 * H)
-    # past-b, 4 nodes: a node lost after 1 h (4 node-h); 0.5 h, then its driver lost (no
-    # failure record before the next attempt; the new driver's record is not training:
-    # 2 node-h); 0.5 h until a drained notice (counts for neither tier: 2 node-h); 0.5 h
-    # to the end (2 node-h): 10 node-hours
-    ctl = _journal(root, "past-b", "controller-1")
-    b1 = _journal(root, "past-b", "attempt-1-rank0")
-    _attempt(b1, T, 1, four)
-    ctl.add("failure", time=T + H, cause="node_lost")
-    b2 = _journal(root, "past-b", "attempt-2-rank0")
-    _attempt(b2, T + 1.2 * H, 2, four, "failure")
-    b2.add("checkpoint", time=T + 1.7 * H, step=50, kind="periodic")
-    _journal(root, "past-b", "driver-2").add("driver", time=T + 2.9 * H, resubmit=True)
-    b3 = _journal(root, "past-b", "attempt-3-rank0")
-    _attempt(b3, T + 3 * H, 3, four, "failure")
-    ctl.add("failure", time=T + 3.5 * H, cause="preempted")
-    b4 = _journal(root, "past-b", "attempt-4-rank0")
-    _attempt(b4, T + 3.6 * H, 4, four, "failure")
-    b4.add("finished", time=T + 4.1 * H)
-
-    def faulty(run: str, pool: dict | None, kills: int = 3) -> None:
-        j = _journal(root, run, "attempt-1-rank0")
-        _attempt(j, T, 1, pool)
-        for i in range(kills):
-            _journal(root, run, f"controller-{i}").add(
-                "failure", time=T + (i + 1) * 60, cause="worker_died"
-            )
-
-    faulty("other-pool", fault_history.pool_record(ON_DEMAND, 8))
-    faulty("drill", fault_history.pool_record(SPOT, 8, drill_rate=120.0))
-    faulty("old", None)
-    faulty("broken", two)
-    (root / "broken" / "journal" / "controller-9.jsonl").write_bytes(b"\xff\xfe\x00 not text")
 
 
 def _own_run(root: Path) -> Path:
     """The new run's own folder: its first attempt on the same pool lost a worker after
     half an hour (its own journal counts through cadence.journal_faults)."""
     j = _journal(root, "own", "attempt-1-rank0")
-    _attempt(j, T + 5 * H, 1, fault_history.pool_record(SPOT, 8))
+    attempt(j, T + 5 * H, 1, fault_history.pool_record(SPOT, 8))
     _journal(root, "own", "controller-1").add("failure", time=T + 5.5 * H, cause="worker_died")
     return root / "own"
 
@@ -100,7 +44,7 @@ def _cfg(**checkpoint: object) -> SimpleNamespace:
 
 
 def test_a_new_run_starts_from_the_pooled_rates_of_its_pool(tmp_path) -> None:
-    _past_runs(tmp_path)
+    write_past_runs(resolve(str(tmp_path)))
     own = _own_run(tmp_path)
     reading = past_runs.read_location(resolve(str(tmp_path)), exclude="own")
     assert reading.skipped == ["broken"]  # not text: skipped, never an error
@@ -156,7 +100,7 @@ def test_a_new_run_starts_from_the_pooled_rates_of_its_pool(tmp_path) -> None:
 
 
 def test_the_newest_runs_within_the_budget(tmp_path) -> None:
-    _past_runs(tmp_path)
+    write_past_runs(resolve(str(tmp_path)))
     for age, run in enumerate(["past-b", "past-a", "other-pool", "drill", "old", "broken"]):
         for f in (tmp_path / run / "journal").iterdir():
             os.utime(f, (T - age * H, T - age * H))
