@@ -11,7 +11,10 @@ Readers merge the files by time. Events (each a JSON object with `time`, `event`
   `restored_from` (`storage`, `memory-own`: the RAM tier's keepers, every share from
   its writer's node; `memory-buddy`: some share from a buddy copy; None: from scratch),
   `lost_steps` (steps trained past the checkpoint or snapshot it resumed from), `lost_s`
-  (wall time from the last step before the failure to the first step of this attempt).
+  (wall time from the last step before the failure to the first step of this attempt),
+  `pool` (rank 0's node: `instance_type`, `market`, `nodes`, `gpus_per_node`, and a
+  drill's `drill_rate_per_hour`; what later runs' cadences count its faults for:
+  trainer.checkpoint.fault_history).
 - `failure`: the controller saw the worker group fail: `cause` (`worker_died`,
   `node_lost`, `preempted`, `error`), `ranks`, `message`.
 - `preemption`: a spot notice reached the loop: `step`, `deadline_s` (seconds left when
