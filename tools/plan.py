@@ -128,11 +128,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from trainer.checkpoint.fault_history import read_storage
+    from trainer.checkpoint.fault_history import Reading, read_storage
     from trainer.planner.faults_sim import plan_lines  # goodput predicted (issue 49)
 
     st = cfg.storage  # the past runs there move the failure rates, as they move a run's
-    past = read_storage(st.path, st.endpoint_override, st.region)
+    stated = cfg.checkpoint.failure_rate_per_hour is not None  # a drill's: the past not read
+    past = Reading() if stated else read_storage(st.path, st.endpoint_override, st.region)
     goodput = plan_lines(cfg, plan, args.days, args.nodes, past=past)
     if args.json:
         print(json.dumps({**plan.to_dict(), "goodput": goodput}, indent=2))

@@ -42,6 +42,11 @@ def test_plan_prints_the_rates_the_past_runs_moved(tmp_path, capsys) -> None:
     assert f"{want.memory:.3g}/h the RAM tier covers, {want.storage:.3g}/h only storage" in line
     assert "2 past run(s) on that pool" in line and "16.0 node-hours" in line
     assert "1 unreadable run(s) skipped" in line
+    # a drill's stated rate: the past is not counted, and the line says so
+    stated = ["--set", "checkpoint.failure_rate_per_hour=6"]
+    assert plan_cli.main([str(job), "--instance", "g5.12xlarge", "--json", *stated]) == 0
+    lines = json.loads(capsys.readouterr().out)["goodput"]
+    assert any(x.endswith("(6/h) as stated; past runs not counted") for x in lines), lines
     # and the goodput above it is simulated at those rates
     from trainer.config import load_config
     from trainer.planner.faults_sim import scenario_for_plan
