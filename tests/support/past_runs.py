@@ -25,7 +25,7 @@ def attempt(j: Journal, at: float, n: int, pool: dict | None, after: str = "star
 
 def write_past_runs(root: Location) -> None:
     """Two past runs on the new run's pool with faults, one on the on-demand pool of the
-    same type, a drill, a journal from before pools were journaled, an unreadable one. On
+    same type, a drill, a journal from before pools were journaled, two unreadable ones. On
     the SPOT pool that is 2 runs, 16 node-hours, 2 RAM-tier faults (a worker died, a node
     lost) and 1 storage fault (a driver lost); a drained notice counts for neither."""
     two, four = (fault_history.pool_record(SPOT, w) for w in (8, 16))
@@ -71,3 +71,4 @@ def write_past_runs(root: Location) -> None:
     faulty("broken", two)
     with root.fs.open_output_stream(root.join("broken", "journal", "controller-9.jsonl").path) as f:
         f.write(b"\xff\xfe\x00 not text")
+    faulty("garbled", {**two, "nodes": "many"})  # read, but not a record this reads

@@ -197,9 +197,14 @@ def summarize(runs: Iterable[tuple[str, list[dict[str, Any]] | None]]) -> Readin
         if records is None:
             reading.skipped.append(name)
             continue
+        try:
+            found = attempts(records)
+        except (TypeError, ValueError, AttributeError):  # records of another shape
+            reading.skipped.append(name)
+            continue
         reading.read += 1
         seen: set[str] = set()
-        for pool, node_hours, faults in attempts(records):
+        for pool, node_hours, faults in found:
             key = pool_key(str(pool.get("instance_type") or ""), str(pool.get("market")))
             past = reading.pools.setdefault(key, PastFaults())
             if key not in seen:
@@ -282,9 +287,11 @@ def _parse(text: str) -> list[dict[str, Any]]:
     out = []
     for line in text.splitlines():
         try:
-            out.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a torn last line of a killed writer
+        if isinstance(record, dict):
+            out.append(record)
     return out
 
 

@@ -47,7 +47,7 @@ def test_a_new_run_starts_from_the_pooled_rates_of_its_pool(tmp_path) -> None:
     write_past_runs(resolve(str(tmp_path)))
     own = _own_run(tmp_path)
     reading = past_runs.read_location(resolve(str(tmp_path)), exclude="own")
-    assert reading.skipped == ["broken"]  # not text: skipped, never an error
+    assert sorted(reading.skipped) == ["broken", "garbled"]  # skipped, never an error
     assert reading.read == 5  # past-a, past-b, other-pool, drill, old: not the run itself
     spot = reading.for_pool("g5.12xlarge", "spot")
     assert spot.runs == 2
@@ -94,14 +94,15 @@ def test_a_new_run_starts_from_the_pooled_rates_of_its_pool(tmp_path) -> None:
         "past_node_hours": 16.0,
         "past_job_hours": 8.0,
         "past_faults": {"memory": 2, "storage": 1},
-        "past_skipped": 1,
+        "past_skipped": 2,
     }
     assert "rates_from" not in decisions[1]
 
 
 def test_the_newest_runs_within_the_budget(tmp_path) -> None:
     write_past_runs(resolve(str(tmp_path)))
-    for age, run in enumerate(["past-b", "past-a", "other-pool", "drill", "old", "broken"]):
+    runs = ["past-b", "past-a", "other-pool", "drill", "old", "broken", "garbled"]
+    for age, run in enumerate(runs):
         for f in (tmp_path / run / "journal").iterdir():
             os.utime(f, (T - age * H, T - age * H))
     store = fault_history._LocalStore(str(tmp_path))  # the laptop's reader, the same layout
