@@ -119,17 +119,47 @@ def test_the_newest_runs_within_the_budget(tmp_path) -> None:
     assert nothing.pools == {} and nothing.note is not None
 
 
-def test_the_attempt_journals_its_pool(tmp_path) -> None:
-    from trainer.loop import _journal_attempt
+def test_a_run_journals_its_pool_and_what_moved_its_rates(job, tmp_path, monkeypatch) -> None:
+    """The whole path in this process (one torchrun-style rank, no Ray): the driver's
+    prepare_inputs reads the past run under storage.path, the worker's cadence starts from
+    the pooled rates and journals why, and the attempt journals its pool for later runs."""
+    from trainer.config import load_config
+    from trainer.loop import train
+    from trainer.runtime import launch
+    from trainer.runtime.worker import TorchrunRuntime
 
-    run = resolve(str(tmp_path / "run"))
-    rt = SimpleNamespace(run=run, world_size=8, journal=Journal(run, "attempt-1-rank0"))
-    pool = fault_history.pool_record(SPOT, rt.world_size, drill_rate=None)
-    _journal_attempt(rt, 1, [], 0, None, pool=pool)
-    (record,) = journal_mod.read(run)
-    assert record["pool"] == {
-        "instance_type": "g5.12xlarge",
-        "market": "spot",
-        "nodes": 2,
-        "gpus_per_node": 4,
-    }
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    here = fault_history.pool_record({}, 1)  # a machine with no pool labels: 1 node
+    earlier = resolve(str(tmp_path / "runs" / "earlier"))  # the job's storage.path
+    attempt(Journal(earlier, "attempt-1-rank0"), T, 1, here)
+    Journal(earlier, "controller-1").add("failure", time=T + 2 * H, cause="worker_died")
+    path = job(
+        "now",
+        train={"max_steps": 8, "log_every": 4, "eval_every": 100},
+        checkpoint={"every_steps": "auto", "memory_every": "auto", "export_every": 100},
+        scaling={"num_workers": 1},
+    )
+    cfg = load_config(path, [])
+    prep = launch.prepare_inputs(cfg, progress=False)
+    assert prep.past_faults["pools"]["unknown/on-demand"]["node_hours"] == pytest.approx(2.0)
+    train(cfg, prep, TorchrunRuntime(cfg, "gloo"))
+    records = journal_mod.read(resolve(str(tmp_path / "runs" / "now")))
+    (start,) = [r for r in records if r["event"] == "attempt"]
+    assert (
+        start["pool"]
+        == here
+        == {
+            "instance_type": "",
+            "market": "on-demand",
+            "nodes": 1,
+            "gpus_per_node": 1,
+        }
+    )
+    first = next(r for r in records if r["event"] == "cadence")
+    assert first["rates_from"]["past_runs"] == 1
+    assert first["rates_from"]["past_faults"] == {"memory": 1, "storage": 0}
+    # no RAM tier under torchrun: storage covers both tiers' failures
+    prior = cad.prior_rates(1, 1, None)
+    want = (prior.memory * 24 + 1) / (24 + 2) + prior.storage * 24 / (24 + 2)
+    assert first["rates_per_hour"]["storage"] == pytest.approx(want, abs=1e-8)
