@@ -222,15 +222,27 @@ class Costs:
     """What a save of each tier costs, in seconds (measured, else the planner's priors)."""
 
     step_s: float
+    """A step's time, on average (the steps a write in flight slows included)."""
     memory_stall_s: float = 0.0
-    """The training thread's part of a snapshot (the staging copy), plus the step time it
-    inflates while the snapshot travels."""
+    """The training thread's part of a snapshot (the staging copy)."""
     memory_write_s: float = 0.0
     """A snapshot's trip to the keepers (one in flight at a time)."""
     storage_stall_s: float = 0.0
     storage_write_s: float = 0.0
     """The background write and upload of a storage checkpoint."""
     restart_s: float = 0.0
+    memory_inflation_s: float = 0.0
+    """The step time a snapshot adds while it travels (its send competes with training
+    for cores and memory bandwidth): the steps that began with it in flight, less as
+    many steps that began with nothing in flight."""
+    storage_inflation_s: float = 0.0
+    """The same for a storage checkpoint's background write and upload."""
+
+    def cost(self, tier: str) -> float:
+        """What one save of `tier` costs training: its stall and the inflation it causes."""
+        if tier == RAM:
+            return self.memory_stall_s + self.memory_inflation_s
+        return self.storage_stall_s + self.storage_inflation_s
 
 
 @dataclass
@@ -268,8 +280,9 @@ def decide(
     factor = BURST_FACTOR if burst else 1.0
     reasons: dict[str, str] = {}
 
-    def tier(name: str, stall: float, write: float, rate_h: float, cap: float | None) -> int:
+    def tier(name: str, write: float, rate_h: float, cap: float | None) -> int:
         rate_s = rate_h * factor / 3600.0
+        stall = costs.cost(name)
         if stall <= 0 and rate_s > 0:  # not measured yet: one save at once measures it
             reasons[name] = "measuring"
             return 1
@@ -293,11 +306,11 @@ def decide(
         if fixed_memory is not None:
             mem, reasons[RAM] = fixed_memory, "fixed"
         else:
-            mem = tier(RAM, costs.memory_stall_s, costs.memory_write_s, r.memory, cap)
+            mem = tier(RAM, costs.memory_write_s, r.memory, cap)
     if fixed_storage is not None:
         sto, reasons[STORAGE] = fixed_storage, "fixed"
     else:
-        sto = tier(STORAGE, costs.storage_stall_s, costs.storage_write_s, r.storage, cap)
+        sto = tier(STORAGE, costs.storage_write_s, r.storage, cap)
         if mem:
             sto = max(mem, round(sto / mem) * mem)  # a whole multiple of the RAM tier's
             if cap is not None and sto * costs.step_s > max(cap, costs.storage_write_s):
@@ -372,7 +385,11 @@ class Cadence:
         self._sample: dict[str, tuple[float | None, float]] = {}
         self.snapshot_in_flight: Callable[[], bool] = lambda: False
         self.upload_in_flight: Callable[[], bool] = lambda: False
-        self._busy = {RAM: False, STORAGE: False}
+        self._busy = {RAM: False, STORAGE: False}  # agreed: on any rank
+        self._began_busy = {RAM: False, STORAGE: False}  # this rank's, at the step's start
+        self._idle_s: float | None = None  # steps begun with no write in flight
+        self._busy_s: dict[str, float | None] = {RAM: None, STORAGE: None}
+        self._trip = {RAM: 0, STORAGE: 0}  # steps begun while the tier's last save travelled
         self.deferred = {RAM: 0, STORAGE: 0}
         """Steps at which a save of each tier was due and waited for its write in flight."""
 
@@ -384,8 +401,33 @@ class Cadence:
         if self._tick is None:
             self._last = {RAM: done - 1, STORAGE: done - 1}
         else:
-            self.step_time(max(1e-6, now - self._tick - self._stalled))
+            seconds = max(1e-6, now - self._tick - self._stalled)
+            self.step_time(seconds)
+            self._inflation_sample(seconds)
         self._tick, self._stalled = now, 0.0
+
+    def _inflation_sample(self, seconds: float) -> None:
+        """A step's time, by what was in flight when it began: the inflation a tier's
+        write causes is its steps' time less an idle step's."""
+        if not any(self._began_busy.values()):
+            self._idle_s = _ema(self._idle_s, seconds)
+        for tier, busy in self._began_busy.items():
+            if busy:
+                self._busy_s[tier] = _ema(self._busy_s[tier], seconds)
+                self._trip[tier] += 1
+            elif self._trip[tier]:  # its write landed before this step began
+                self._close_trip(tier)
+
+    def _close_trip(self, tier: str) -> None:
+        """The last save of `tier` has landed (or a new one begins): its inflation is the
+        steps it slowed times how much slower they ran than idle ones."""
+        trip, self._trip[tier] = self._trip[tier], 0
+        busy = self._busy_s[tier]
+        if trip == 0 or busy is None or self._idle_s is None:
+            return
+        attr = "memory_inflation_s" if tier == RAM else "storage_inflation_s"
+        sample = max(0.0, busy - self._idle_s) * trip
+        setattr(self.costs, attr, _ema(getattr(self.costs, attr) or None, sample))
 
     def step_time(self, seconds: float) -> None:
         self._steps_seen += 1
@@ -394,6 +436,7 @@ class Cadence:
 
     def saved(self, tier: str, stall_s: float) -> None:
         """A save of `tier` stalled the training thread `stall_s` (its staging copy)."""
+        self._close_trip(tier)
         attr = "memory_stall_s" if tier == RAM else "storage_stall_s"
         self._sample[tier] = (getattr(self.costs, attr) or None, 0.0)
         self.blocked(stall_s, tier)
@@ -456,6 +499,7 @@ class Cadence:
         """This rank's proposal for the step's all-reduce: [have one, memory, storage, in a
         burst, a snapshot in flight, an upload in flight]."""
         busy = [float(self.snapshot_in_flight()), float(self.upload_in_flight())]
+        self._began_busy = {RAM: bool(busy[0]), STORAGE: bool(busy[1])}
         d = self.propose()
         if d is None:
             return [0.0, 0.0, 0.0, 0.0, *busy]

@@ -60,7 +60,10 @@ def for_job(cfg: Any, rt: Any, past_runs: dict[str, Any] | None = None) -> Caden
         past=(past.faults, past.job_hours(pool["nodes"])),
     )
     if cadence is not None and hasattr(rt, "on_persisted"):
-        rt.on_persisted = cadence.written
+        rt.on_persisted = cadence.written  # the write floor
+        rt.on_blocked = cadence.blocked  # a step's time without the uploads' waits
+        # a storage checkpoint due while an upload is in flight waits for it, training on
+        cadence.upload_in_flight = lambda: rt.uploads_in_flight() > 0
     return cadence
 
 

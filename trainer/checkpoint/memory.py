@@ -235,6 +235,11 @@ class MemoryTier:
             import ray
 
             self.node_id = ray.get_runtime_context().get_node_id()
+            if self.cadence is not None:  # a snapshot due while one travels waits for it
+                self.cadence.snapshot_in_flight = self._in_flight
+
+    def _in_flight(self) -> bool:
+        return self._pending is not None and not self._pending.done()
 
     # ---------------------------------------------------------------- each step
 
@@ -298,12 +303,16 @@ class MemoryTier:
 
     def _snapshot(self, done: int) -> None:
         if self._pending is not None:
+            waited = time.monotonic()
             try:
                 self._pending.result()
             except Exception as exc:  # reported to every rank through the flags
                 log.warning("snapshot of step %s failed: %s", self._started[-1], exc)
                 self.broken = True
                 return
+            finally:
+                if self.cadence is not None:  # not the step's time (a fixed interval's wait)
+                    self.cadence.blocked(time.monotonic() - waited)
         out = self.manager.save({"snapshot": True}, snapshot_dir(self._last_bytes))
         self._started = [*self._started[-1:], done]
         if self._pool is None:

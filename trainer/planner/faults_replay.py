@@ -6,8 +6,11 @@ its phase averaged. A replay takes the faults a run met (the step each attempt e
 cause, what the restart took) and the costs each attempt measured, and runs the same steps
 through `trainer.checkpoint.cadence.Cadence` on a clock of its own: the same warm-up, the
 same "measuring" saves at an attempt's start, the same Young/Daly decisions and burst after
-two faults, the writes landing `*_write_s` after their saves (a snapshot waits for the one
-in flight; storage uploads queue behind each other while training goes on). At a fault
+two faults, the writes landing `*_write_s` after their saves. A save that comes due while
+its tier's write is in flight waits for it to land, training on (the cadence's deferral:
+what is in flight is sampled at each step's start, as the ranks' all-reduce does); one
+that must be taken then (a tier's interval fixed) blocks until the write in flight lands,
+as the RAM tier's one send and the runtime's one upload slot do. At a fault
 the attempt resumes from the newest save that had landed: a worker kill or a node loss
 from the newer of the RAM tier's snapshot and the storage checkpoint, a buddy pair, the
 cluster or the driver from storage, a drained notice from the emergency checkpoint at
@@ -55,6 +58,11 @@ class Attempt:
     restart_s: float = 0.0
     """From its last step to the next attempt's first step: noticing the fault, a new
     worker group's start-up and its restore (an emergency checkpoint's wait included)."""
+    memory_inflation_s: float = 0.0
+    """The step time a snapshot in flight added, as the run's cadence measured it (the
+    replay's clock has no contention to measure: once a tier's first write has landed,
+    its cadence takes the run's figure)."""
+    storage_inflation_s: float = 0.0
     storage_writes: list[float] = field(default_factory=list)
     """Each storage save's write in order, where the run measured them one by one (a
     slowdown that came and went); past the list's end, `storage_write_s`."""
@@ -112,14 +120,21 @@ def replay(
         last = a.end_step if a.end_step is not None and n < len(attempts) - 1 else steps
         inflight = {RAM: 0.0, STORAGE: 0.0}  # when each tier's write in flight lands
         writes: list[tuple[float, str, float]] = []  # (lands at, tier, seconds) to report
+        cadence.snapshot_in_flight = lambda f=inflight: f[RAM] > clock.t
+        cadence.upload_in_flight = lambda f=inflight: f[STORAGE] > clock.t
         while step < last:
-            clock.t += a.step_s
-            step += 1
-            kept_step_s[step] = a.step_s
             while writes and writes[0][0] <= clock.t:  # a write landed: the floor learns it
                 _, tier, took = heapq.heappop(writes)
                 cadence.written(tier, took)
-            cadence.decide_alone()  # the step's all-reduce carries the proposals
+                if tier == RAM:  # and the inflation its trip caused
+                    cadence.costs.memory_inflation_s = a.memory_inflation_s
+                else:
+                    cadence.costs.storage_inflation_s = a.storage_inflation_s
+            asked = cadence.ask()  # at the step's start, into the step's all-reduce
+            clock.t += a.step_s
+            step += 1
+            kept_step_s[step] = a.step_s
+            cadence.agreed(asked)
             # the loop's order: the storage checkpoint, then the tick, then the snapshot
             if cadence.storage_due(step):
                 landed = _save(cadence, clock, STORAGE, a, inflight, writes)
@@ -151,19 +166,19 @@ def _save(
     inflight: dict[str, float],
     writes: list[tuple[float, str, float]],
 ) -> float:
-    """One save of `tier`: stall, start the write; returns when the write lands. A
-    snapshot waits for the one in flight (the RAM tier sends one at a time); a storage
-    upload queues behind the one in flight while training goes on (Ray Train's async
-    uploads)."""
-    if tier == RAM:
-        clock.t = max(clock.t, inflight[tier])
+    """One save of `tier`: stall, start the write; returns when the write lands. A save
+    taken while its tier's write is in flight first waits for it (the RAM tier sends
+    one snapshot at a time; the runtime has one upload slot): not the step's time."""
+    if inflight[tier] > clock.t:
+        cadence.blocked(inflight[tier] - clock.t)
+        clock.t = inflight[tier]
     stall = a.memory_stall_s if tier == RAM else a.storage_stall_s
     write = a.memory_write_s
     if tier == STORAGE:
         write = a.storage_writes.pop(0) if a.storage_writes else a.storage_write_s
     clock.t += stall
     cadence.saved(tier, stall)
-    inflight[tier] = max(clock.t, inflight[tier]) + write
+    inflight[tier] = clock.t + write
     heapq.heappush(writes, (inflight[tier], tier, inflight[tier] - clock.t))
     return inflight[tier]
 

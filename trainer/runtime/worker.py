@@ -148,6 +148,15 @@ class Runtime:
             self._own_journal = Journal(self.run, f"{self.attempt_key}-rank{self.rank}")
         return self._own_journal
 
+    def _blocked(self, since: float, kind: str, waited_for_slot: bool = False) -> None:
+        """Tell the cadence how long an upload held the training thread since `since`: a
+        synchronous periodic upload is part of its save's stall; a wait for an upload
+        slot, or the last or emergency checkpoint's upload, is not a cost of the
+        intervals (the step's time is measured without either)."""
+        if self.on_blocked is not None:
+            periodic_sync = kind == "periodic" and not waited_for_slot
+            self.on_blocked(time.monotonic() - since, "storage" if periodic_sync else None)
+
     def note_save(self, step: int, seconds: float) -> None:
         self._save_s[step] = round(seconds, 3)
 
@@ -160,6 +169,7 @@ class Runtime:
         self._save_s: dict[int, float] = {}
         self.began = time.time()  # the worker process began: capacity arrived (goodput)
         self.on_persisted: Any = None  # (tier, seconds) of each checkpoint's write + upload
+        self.on_blocked: Any = None  # (seconds, tier or None) an upload held the step back
         self.journaling = False
         self.attempt_key = f"attempt-{int(time.time() * 1000)}"
         self._own_journal: Journal | None = None  # a rank > 0's, for its upload retries
@@ -270,17 +280,20 @@ class RayRuntime(Runtime):
 
         # The emergency checkpoint on a spot notice, and the last one, are waited for.
         if self.sync_upload or kind != "periodic":
+            began = time.monotonic()
             ray.train.report(
                 clean,
                 checkpoint=checkpoint,
                 checkpoint_dir_name=ckpt_mod.dir_name(step),
                 checkpoint_upload_fn=persist,
             )
+            self._blocked(began, kind)
             return False
         # Bounded: with max_uploads_in_flight uploads queued or running, the next
         # checkpoint waits here (training is then faster than storage).
         waited = time.monotonic()
         self._slots.acquire()
+        self._blocked(waited, kind, waited_for_slot=True)
         if time.monotonic() - waited > 1.0:
             log.info("waited %.1f s for an upload slot", time.monotonic() - waited)
 
@@ -363,13 +376,18 @@ class TorchrunRuntime(Runtime):
         if ckpt_dir is None:
             return False
         if self.sync_upload or kind != "periodic":
+            began = time.monotonic()
             self.wait_uploads()  # in order: the earlier ones first
+            self._blocked(began, kind, waited_for_slot=True)
+            began = time.monotonic()
             self._persist(ckpt_dir, step, kind, group=None)
+            self._blocked(began, kind)
             return False
         self._reap()
         waited = time.monotonic()
         while len(self._uploads) >= self.max_in_flight:
             self._uploads.pop(0).result()
+        self._blocked(waited, kind, waited_for_slot=True)
         if time.monotonic() - waited > 1.0:
             log.info("waited %.1f s for an upload slot", time.monotonic() - waited)
         if self._uploader is None:
