@@ -38,7 +38,7 @@ sweep, and ≥ the old defaults'.
 
 A second table, the simulator's (trainer.planner.faults_sim, labelled as such): the same
 configs on the same rate with the costs `auto` measured (its last journaled decision's
-step time and stalls) and the restart the runs measured, 200 seeded trials of the run's
+step time, stalls and inflation) and the restart the runs measured, 200 seeded trials of the run's
 length; it says what the rule expects where the runs' noise is larger than the
 differences.
 
@@ -160,6 +160,8 @@ def _figures(cfg: Any, submitted: float) -> dict[str, float]:
         "step_s": float((last.get("costs") or {}).get("step_s", 0.0)),
         "memory_stall_s": float((last.get("costs") or {}).get("memory_stall_s", 0.0)),
         "storage_stall_s": float((last.get("costs") or {}).get("storage_stall_s", 0.0)),
+        "memory_inflation_s": float((last.get("costs") or {}).get("memory_inflation_s", 0.0)),
+        "storage_inflation_s": float((last.get("costs") or {}).get("storage_inflation_s", 0.0)),
     }
 
 
@@ -256,7 +258,7 @@ def test_goodput_auto_vs_fixed_intervals(ray_cluster, tmp_path):
 
 def _simulated(runs: dict[str, list[dict[str, float]]]) -> None:
     """The simulator's table: the same configs at the same fault rate, with the costs
-    `auto` measured (its last decision's step time and stalls) and the restart the runs
+    `auto` measured (its last decision's step time, stalls and inflation) and the restart the runs
     measured (start-up and restore per attempt), over the `auto` runs' paid time;
     labelled as the simulator's in the output and the JSON."""
     from trainer.checkpoint.cadence import Costs, prior_rates
@@ -272,6 +274,8 @@ def _simulated(runs: dict[str, list[dict[str, float]]]) -> None:
         step_s=step_s,
         memory_stall_s=median(r["memory_stall_s"] for r in auto),
         storage_stall_s=median(r["storage_stall_s"] for r in auto),
+        memory_inflation_s=median(r["memory_inflation_s"] for r in auto),
+        storage_inflation_s=median(r["storage_inflation_s"] for r in auto),
     )
     s = fs.Scenario(
         nodes=2,
@@ -291,8 +295,8 @@ def _simulated(runs: dict[str, list[dict[str, float]]]) -> None:
             table[name] = fs.simulate(s, ck["memory_every"], ck["every_steps"], SEED, 200)
     print(
         f"\n== cadence_goodput: the simulator's figures (trainer.planner.faults_sim), not "
-        f"measurements: {RATE_PER_HOUR:.0f} kills/h, step {step_s:.3f} s, snapshot stall "
-        f"{costs.memory_stall_s:.3f} s, storage stall {costs.storage_stall_s:.3f} s, restart "
+        f"measurements: {RATE_PER_HOUR:.0f} kills/h, step {step_s:.3f} s, snapshot cost "
+        f"{costs.cost('memory'):.3f} s, storage cost {costs.cost('storage'):.3f} s, restart "
         f"{s.restart_s:.1f} s, {s.days * 86400:.0f} s of run, 200 seeded trials"
     )
     for name, o in table.items():

@@ -2,8 +2,9 @@
 chooses (trainer.checkpoint.cadence, the same rule the run uses) against fixed intervals.
 
 A run of `days` on `nodes` nodes trains steps of `step_s` seconds; every `memory_every`
-steps the RAM tier stalls it `memory_stall_s`, every `storage_every` steps storage stalls
-it `storage_stall_s`. Failures arrive as Poisson processes at the rates each tier covers
+steps the RAM tier costs it `memory_stall_s` and the inflation its trip causes
+(`Costs.cost`), every `storage_every` steps storage its own. Failures arrive as Poisson
+processes at the rates each tier covers
 (trainer.checkpoint.cadence.prior_rates): a RAM-tier failure (a worker kill, a node lost)
 restores the newest snapshot (with the RAM tier off, the newest storage checkpoint); a
 storage failure (a buddy pair, the cluster, the driver) the newest storage checkpoint, or
@@ -25,7 +26,15 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from trainer.checkpoint.cadence import MAX_INTERVAL_S, Costs, Rates, decide, prior_rates
+from trainer.checkpoint.cadence import (
+    MAX_INTERVAL_S,
+    RAM,
+    STORAGE,
+    Costs,
+    Rates,
+    decide,
+    prior_rates,
+)
 
 RESTART_S = 300.0
 """A failure's restart before the restore: the controller notices, a replacement node
@@ -77,8 +86,8 @@ def _one(s: Scenario, m: int, k: int | None, rng: random.Random) -> tuple[float,
     """One run: (goodput, steps lost, failures)."""
     wall = s.days * 86400.0
     c = s.costs
-    per_step = s.step_s + (c.memory_stall_s / m if m else 0.0)
-    per_step += c.storage_stall_s / k if k else 0.0
+    per_step = s.step_s + (c.cost(RAM) / m if m else 0.0)  # stall and inflation per save
+    per_step += c.cost(STORAGE) / k if k else 0.0
     rate_mem = s.rates.memory / 3600.0
     rate_sto = s.rates.storage / 3600.0
     rate_drain = s.rates.drained / 3600.0
