@@ -11,7 +11,11 @@ split, from the run's metrics file and journal alone, into:
 - `kept`: steps that are part of the final model,
 - `lost/<cause>`: steps trained and then thrown away by a fault, plus the time from the
   last step to the failure (`worker kill`, `node loss`, `drained notice`, `driver loss`),
-- `ckpt/storage` and `ckpt/memory`: the checkpoint stalls of each tier,
+- `ckpt/storage` and `ckpt/memory`: the checkpoint stalls of each tier, and where the
+  run's cadence measured it (`auto` intervals: trainer.checkpoint.cadence), the step time
+  each save's write in flight added to the steps after it (its inflation, taken from
+  those steps: a snapshot per metrics record that stalled for one, a storage checkpoint
+  per step the journal records one of),
 - `eval`: evaluation,
 - `tail`: the idle tail after the last step (export, probe, shutdown).
 
@@ -52,8 +56,8 @@ LABELS = {
     "lost/drained notice": "retrained: drained notice",
     "lost/driver loss": "retrained: driver loss",
     "lost/other": "retrained: other fault",
-    "ckpt/storage": "checkpoint stall (storage)",
-    "ckpt/memory": "checkpoint stall (RAM tier)",
+    "ckpt/storage": "checkpoints (storage)",
+    "ckpt/memory": "checkpoints (RAM tier)",
     "eval": "evaluation",
     "tail": "idle tail",
 }
@@ -163,6 +167,13 @@ def measure(
             g.parts[cause] += g.parts.pop("_pending", 0.0)
         kept_upto = min(resume_points[i + 1 :], default=None)
         last_step, last_time = int(att.get("from_step", 0)), att_time
+        inflation = _inflation(journal, att.get("source"))
+        owed = dict.fromkeys(inflation, 0.0)  # inflation still to take from later steps
+        stored = {
+            int(r["step"])
+            for r in journal
+            if r.get("event") == "checkpoint" and r.get("source") == att.get("source")
+        }
         for r in rows:
             step, t = int(r["step"]), float(r["time"])
             n = max(1, step - last_step)
@@ -184,6 +195,15 @@ def measure(
             for k, v in per.items():
                 _add(g, k, v, workers)
             steps_s = span - overhead
+            for part in inflation:  # the saves before these steps slowed them
+                take = min(owed[part], steps_s)
+                steps_s -= take
+                owed[part] -= take
+                _add(g, part, take, workers)
+            if inflation and per["ckpt/memory"] > 0:  # this record's step snapshotted
+                owed["ckpt/memory"] += inflation["ckpt/memory"]
+            if inflation and step in stored:  # a storage checkpoint of this step
+                owed["ckpt/storage"] += inflation["ckpt/storage"]
             kept_n = n if kept_upto is None else max(0, min(step, kept_upto) - last_step)
             _add(g, "kept", steps_s * kept_n / n, workers)
             g.parts.setdefault("_pending", 0.0)
@@ -204,6 +224,24 @@ def measure(
     g.paid = sum(g.parts.values())
     g.program = sum(mfus) / len(mfus) if mfus else None
     return g
+
+
+def _inflation(journal: list[dict[str, Any]], source: Any) -> dict[str, float]:
+    """The step time one save of each tier added while its write was in flight, as the
+    attempt's cadence last measured it (its journaled decisions' costs); none where the
+    attempt had no cadence (intervals set by number)."""
+    costs = [
+        r.get("costs") or {}
+        for r in journal
+        if r.get("event") == "cadence" and source is not None and r.get("source") == source
+    ]
+    if not costs:
+        return {}
+    last = costs[-1]
+    return {
+        "ckpt/memory": float(last.get("memory_inflation_s") or 0.0),
+        "ckpt/storage": float(last.get("storage_inflation_s") or 0.0),
+    }
 
 
 def _failure_time(journal: list[dict[str, Any]], after: float, before: float) -> float:

@@ -122,6 +122,7 @@ def replay(
         writes: list[tuple[float, str, float]] = []  # (lands at, tier, seconds) to report
         cadence.snapshot_in_flight = lambda f=inflight: f[RAM] > clock.t
         cadence.upload_in_flight = lambda f=inflight: f[STORAGE] > clock.t
+        owed = 0.0  # the saves' inflation not yet taken from the steps after them
         while step < last:
             while writes and writes[0][0] <= clock.t:  # a write landed: the floor learns it
                 _, tier, took = heapq.heappop(writes)
@@ -133,15 +134,20 @@ def replay(
             asked = cadence.ask()  # at the step's start, into the step's all-reduce
             clock.t += a.step_s
             step += 1
-            kept_step_s[step] = a.step_s
+            # a step's time less the inflation it carries, as the goodput split charges
+            # each save's measured inflation to its tier (trainer.observability.goodput)
+            take = min(owed, a.step_s)
+            kept_step_s[step], owed = a.step_s - take, owed - take
             cadence.agreed(asked)
             # the loop's order: the storage checkpoint, then the tick, then the snapshot
             if cadence.storage_due(step):
                 landed = _save(cadence, clock, STORAGE, a, inflight, writes)
                 checkpoints.append((landed, step))
+                owed += a.storage_inflation_s
             cadence.tick(step)
             if memory_tier and cadence.memory_due(step):
                 snaps.append((_save(cadence, clock, RAM, a, inflight, writes), step))
+                owed += a.memory_inflation_s
         if n == len(attempts) - 1 or step >= steps:
             break
         back = _resume_point(a.cause, step, clock.t, snaps, checkpoints)

@@ -97,3 +97,32 @@ def test_causes_and_no_prices() -> None:
 def test_no_run_no_goodput() -> None:
     g = goodput.measure([], [])
     assert g.paid == 0 and g.runtime is None and goodput.lines(g) == []
+
+
+def test_the_inflation_a_cadence_measured_is_charged_to_its_tier() -> None:
+    """Attempt 2's cadence measured that each snapshot's send slowed the steps after it by
+    0.3 s in all, and a storage checkpoint's upload by 0.4 s: each of its 12 records
+    snapshotted, so the 11 after the first give 0.3 s of their step time to the RAM tier,
+    and the step after the one storage checkpoint the journal records (step 12) 0.4 s to
+    storage; nothing else moves, and the parts still add up."""
+    records, journal = _run()
+    plain = goodput.measure(records, journal)
+    journal[3]["source"] = "attempt-2-rank0"
+    journal.insert(
+        4,
+        {
+            "time": 56.0,
+            "event": "cadence",
+            "source": "attempt-2-rank0",
+            "costs": {"memory_inflation_s": 0.3, "storage_inflation_s": 0.4},
+        },
+    )
+    journal.insert(
+        5, {"time": 60.0, "event": "checkpoint", "step": 12, "source": "attempt-2-rank0"}
+    )
+    g = goodput.measure(records, journal)
+    assert g.paid == pytest.approx(plain.paid)
+    assert (g.parts["ckpt/memory"] - plain.parts["ckpt/memory"]) / 2 == pytest.approx(11 * 0.3)
+    assert (g.parts["ckpt/storage"] - plain.parts["ckpt/storage"]) / 2 == pytest.approx(0.4)
+    assert (plain.parts["kept"] - g.parts["kept"]) / 2 == pytest.approx(11 * 0.3 + 0.4)
+    assert g.parts["lost/worker kill"] == pytest.approx(plain.parts["lost/worker kill"])
