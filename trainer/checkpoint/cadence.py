@@ -390,20 +390,24 @@ class Cadence:
         self._idle_s: float | None = None  # steps begun with no write in flight
         self._busy_s: dict[str, float | None] = {RAM: None, STORAGE: None}
         self._trip = {RAM: 0, STORAGE: 0}  # steps begun while the tier's last save travelled
+        self._saves = {RAM: 0, STORAGE: 0}  # this attempt's saves of each tier
         self.deferred = {RAM: 0, STORAGE: 0}
         """Steps at which a save of each tier was due and waited for its write in flight."""
 
     # -- measurements
-    def tick(self, done: int) -> None:
+    def tick(self, done: int, compute_s: float | None = None) -> None:
         """Step `done` ended: its time is the time since the previous tick less the stalls
-        measured meanwhile. The first tick of an attempt is where the intervals count from."""
+        measured meanwhile. The first tick of an attempt is where the intervals count from.
+        `compute_s`: the step's own phases (data, forward/backward, optimizer), where the
+        loop times them: inflation compares those, so that what a save costs outside the
+        step (a report, a first-time set-up) is never read as a slower step."""
         now = self.clock()
         if self._tick is None:
             self._last = {RAM: done - 1, STORAGE: done - 1}
         else:
             seconds = max(1e-6, now - self._tick - self._stalled)
             self.step_time(seconds)
-            self._inflation_sample(seconds)
+            self._inflation_sample(seconds if compute_s is None else compute_s)
         self._tick, self._stalled = now, 0.0
 
     def _inflation_sample(self, seconds: float) -> None:
@@ -423,6 +427,9 @@ class Cadence:
         steps it slowed times how much slower they ran than idle ones."""
         trip, self._trip[tier] = self._trip[tier], 0
         busy = self._busy_s[tier]
+        if self._saves[tier] <= 1:  # the attempt's first: its trip sets things up once
+            self._busy_s[tier] = None  # (a keeper, a thread pool), which no later one does
+            return
         if trip == 0 or busy is None or self._idle_s is None:
             return
         attr = "memory_inflation_s" if tier == RAM else "storage_inflation_s"
@@ -437,6 +444,7 @@ class Cadence:
     def saved(self, tier: str, stall_s: float) -> None:
         """A save of `tier` stalled the training thread `stall_s` (its staging copy)."""
         self._close_trip(tier)
+        self._saves[tier] += 1
         attr = "memory_stall_s" if tier == RAM else "storage_stall_s"
         self._sample[tier] = (getattr(self.costs, attr) or None, 0.0)
         self.blocked(stall_s, tier)

@@ -289,8 +289,8 @@ class MemoryTier:
         """Called once the step's record is written (a restore must never skip it).
         Snapshot step `done` when due: stage it through the manager (the training
         thread's part), send it on the tier's thread. The cadence learns the step's time."""
-        if self.cadence is not None:
-            self.cadence.tick(done)
+        if self.cadence is not None:  # with the step's own phases' time, if timed
+            self.cadence.tick(done, getattr(self.timer, "last_compute_s", None))
         if not self.due(done, is_last):
             return
         started = time.perf_counter()

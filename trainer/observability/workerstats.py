@@ -109,12 +109,20 @@ class MemoryProbe:
         return out
 
 
+COMPUTE = ("data", "fwd_bwd", "optim")
+"""The phases of the step itself (the rest are checkpoint, evaluation and snapshot stalls)."""
+
+
 class StepTimer:
-    """Seconds per phase since the last `take()`; `with timer.phase("optim"): ...`."""
+    """Seconds per phase since the last `take()`; `with timer.phase("optim"): ...`.
+    `last_compute_s`: the last finished step's own phases (COMPUTE), which the cadence
+    compares between steps with and without a write in flight."""
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
+        self.last_compute_s: float | None = None
+        self._compute = 0.0
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -122,7 +130,14 @@ class StepTimer:
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self.seconds[name] += took
+            if name in COMPUTE:
+                self._compute += took
+
+    def step_done(self) -> None:
+        self.steps += 1
+        self.last_compute_s, self._compute = self._compute, 0.0
 
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] += seconds
@@ -180,7 +195,7 @@ class WorkerStats:
         return self.timer.phase(name)
 
     def step_done(self) -> None:
-        self.timer.steps += 1
+        self.timer.step_done()
         self._steps_done += 1
 
     def local(self) -> dict[str, float]:

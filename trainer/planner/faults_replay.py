@@ -60,8 +60,8 @@ class Attempt:
     worker group's start-up and its restore (an emergency checkpoint's wait included)."""
     memory_inflation_s: float = 0.0
     """The step time a snapshot in flight added, as the run's cadence measured it (the
-    replay's clock has no contention to measure: once a tier's first write has landed,
-    its cadence takes the run's figure)."""
+    replay's clock has no contention to measure: once a tier's second write has landed,
+    as in the run, its cadence takes the run's figure)."""
     storage_inflation_s: float = 0.0
     storage_writes: list[float] = field(default_factory=list)
     """Each storage save's write in order, where the run measured them one by one (a
@@ -123,10 +123,14 @@ def replay(
         cadence.snapshot_in_flight = lambda f=inflight: f[RAM] > clock.t
         cadence.upload_in_flight = lambda f=inflight: f[STORAGE] > clock.t
         owed = 0.0  # the saves' inflation not yet taken from the steps after them
+        arrived = {RAM: 0, STORAGE: 0}  # writes of each tier landed in this attempt
         while step < last:
             while writes and writes[0][0] <= clock.t:  # a write landed: the floor learns it
                 _, tier, took = heapq.heappop(writes)
                 cadence.written(tier, took)
+                arrived[tier] += 1
+                if arrived[tier] < 2:  # the run measures inflation from its second trip on
+                    continue
                 if tier == RAM:  # and the inflation its trip caused
                     cadence.costs.memory_inflation_s = a.memory_inflation_s
                 else:

@@ -154,3 +154,25 @@ def test_the_steps_a_travelling_snapshot_slows_count_as_its_cost() -> None:
     stall_only = cad.Costs(step_s=c.costs.step_s, memory_stall_s=0.05, storage_stall_s=1.0)
     without = cad.decide(stall_only, c.rates, memory_tier=True, max_overhead=1.0)
     assert with_inflation.memory_every / without.memory_every == pytest.approx(21**0.5, rel=0.1)
+
+
+def test_the_first_trip_and_time_outside_the_steps_phases_are_not_inflation() -> None:
+    """The attempt's first snapshot sets its keeper up: the steps it travels take 3 s.
+    The next one's steps take 1.5 s of wall time, but their own phases 1 s (the rest was
+    outside the step: a report, a thread's start). Neither is charged as inflation."""
+    clock = Clock()
+    c = Cadence(Rates(memory=2.0, storage=0.05), memory_tier=True, max_interval_s=None, clock=clock)
+    travelling = [0]
+    c.snapshot_in_flight = lambda: travelling[0] > 0
+    c.tick(0)
+    for done in range(1, 41):
+        c.ask()
+        first_trip = travelling[0] and done < 20
+        clock.t += 3.0 if first_trip else (1.5 if travelling[0] else 1.0)
+        travelling[0] = max(0, travelling[0] - 1)
+        c.tick(done, compute_s=3.0 if first_trip else 1.0)
+        if done % 10 == 0:
+            clock.t += 0.05
+            c.saved(cad.RAM, 0.05)
+            travelling[0] = 2
+    assert c.costs.memory_inflation_s == 0.0
