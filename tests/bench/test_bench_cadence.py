@@ -33,8 +33,14 @@ old defaults measure (no snapshot, no checkpoint until the end), so goodput is t
 round's old-defaults kept time ÷ the config's paid time. The report's runtime goodput
 counts a step that a snapshot or an upload in flight slowed as kept: across configs it
 would score a config that slows every step higher (a snapshot every 2 steps did, at 1.3 ×
-the wall time of the others). Checks: goodput with `auto` ≥ 0.98 × the best of the fixed
-sweep, and ≥ the old defaults'.
+the wall time of the others). And every config starts its worker group four times (the
+first attempt and three restarts): that start-up (waiting for workers, process group,
+model load) is the same mechanism whatever the intervals, but on the 2-core VM it varied
+by 10-25 worker-seconds between runs of one round, more than the intervals decide. So the
+judged goodput takes each run's paid time with its start-up replaced by the round's
+median start-up (the restores stay: where a run resumes from is the intervals' doing);
+the same figure with each run's own start-up is printed beside it. Checks: goodput with
+`auto` ≥ 0.98 × the best of the fixed sweep, and ≥ the old defaults'.
 
 A second table, the simulator's (trainer.planner.faults_sim, labelled as such): the same
 configs on the same rate with the costs `auto` measured (its last journaled decision's
@@ -155,6 +161,7 @@ def _figures(cfg: Any, submitted: float) -> dict[str, float]:
         "ckpt_s": ckpt,
         "lost_s": lost,
         "restart_s": g.parts["waiting"] + g.parts["startup"] + g.parts["restore"],
+        "startup_s": g.parts["waiting"] + g.parts["startup"],
         "memory_every": float(last.get("memory_every", 0) or 0),
         "storage_every": float(last.get("storage_every", 0) or 0),
         "step_s": float((last.get("costs") or {}).get("step_s", 0.0)),
@@ -201,9 +208,13 @@ def test_goodput_auto_vs_fixed_intervals(ray_cluster, tmp_path):
     ]
     if fixed:
 
-        def clean(r: dict[str, dict[str, float]], name: str) -> float:
-            """Goodput with the kept steps at the clean step time (the module)."""
-            return r["old_defaults"]["kept_s"] / r[name]["paid_s"]
+        def clean(r: dict[str, dict[str, float]], name: str, own: bool = False) -> float:
+            """Goodput with the kept steps at the clean step time, the paid time with the
+            round's median start-up (`own`: the run's own start-up; the module)."""
+            paid = r[name]["paid_s"]
+            if not own:
+                paid += median(x["startup_s"] for x in r.values()) - r[name]["startup_s"]
+            return r["old_defaults"]["kept_s"] / paid
 
         checks += [
             Check(
@@ -215,6 +226,11 @@ def test_goodput_auto_vs_fixed_intervals(ray_cluster, tmp_path):
                 "auto_over_old_defaults",
                 lambda r: clean(r, "auto") / clean(r, "old_defaults"),
                 1.0,
+            ),
+            Check(
+                "auto_over_best_fixed_own_startup",
+                lambda r: clean(r, "auto", True) / max(clean(r, n, True) for n in fixed),
+                unit="(each run's own start-up)",
             ),
             Check(
                 "auto_over_best_fixed_runtime_goodput",
