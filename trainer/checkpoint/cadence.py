@@ -353,6 +353,7 @@ class Cadence:
     MOVE = 0.25
     WARMUP_STEPS = 3
     REDECIDE_STEPS = 20
+    STEADY_STEPS = 20
 
     def __init__(
         self,
@@ -414,7 +415,7 @@ class Cadence:
         """A step's time, by what was in flight when it began: the inflation a tier's
         write causes is its steps' time less an idle step's."""
         if not any(self._began_busy.values()):
-            self._idle_s = _ema(self._idle_s, seconds)
+            self._idle_s = _ema(self._idle_s, seconds, 0.1)
         for tier, busy in self._began_busy.items():
             if busy:
                 self._busy_s[tier] = _ema(self._busy_s[tier], seconds)
@@ -437,8 +438,13 @@ class Cadence:
         setattr(self.costs, attr, _ema(getattr(self.costs, attr) or None, sample))
 
     def step_time(self, seconds: float) -> None:
+        """A step's time. The mean follows fast over the first STEADY_STEPS (the warm-up's
+        slow steps leave it soon), then slowly: on a shared host single steps vary 2-5x,
+        and a mean that followed them moved the intervals in steps by more than MOVE every
+        REDECIDE_STEPS, a journal write each time, while the rule's seconds stood still."""
         self._steps_seen += 1
-        self._step_s = _ema(self._step_s, seconds)
+        weight = 0.3 if self._steps_seen <= self.STEADY_STEPS else 0.05
+        self._step_s = _ema(self._step_s, seconds, weight)
         self.costs.step_s = self._step_s
 
     def saved(self, tier: str, stall_s: float) -> None:

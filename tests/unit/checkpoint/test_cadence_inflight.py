@@ -176,3 +176,32 @@ def test_the_first_trip_and_time_outside_the_steps_phases_are_not_inflation() ->
             c.saved(cad.RAM, 0.05)
             travelling[0] = 2
     assert c.costs.memory_inflation_s == 0.0
+
+
+def test_noisy_steps_do_not_move_the_intervals_every_few_steps() -> None:
+    """Single steps on a shared host vary 10x (5-60 ms here, seeded): the intervals the
+    rule gives in seconds stand still, so the run keeps its decision instead of journaling
+    a new one every REDECIDE_STEPS: 4 decisions in 800 steps (0.3-weighted step times gave
+    34, moving the intervals by more than MOVE at most checks)."""
+    import random
+
+    rng = random.Random(0)
+    log: list[dict] = []
+    clock = Clock()
+    c = Cadence(
+        Rates(memory=2.0, storage=0.05),
+        memory_tier=True,
+        max_interval_s=None,
+        journal=lambda event, **f: log.append(f),
+        clock=clock,
+    )
+    c.tick(0)
+    for done in range(1, 801):
+        c.agreed(c.ask())
+        clock.t += rng.uniform(0.005, 0.06)
+        c.tick(done)
+        if done == 5:
+            c.saved(cad.RAM, 0.003)
+            c.saved(cad.STORAGE, 0.004)
+    decided = [d for d in log if "measuring" not in d["reasons"].values()]
+    assert 1 <= len(decided) <= 6, [(d["memory_every"], d["costs"]["step_s"]) for d in decided]
