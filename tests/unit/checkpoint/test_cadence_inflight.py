@@ -130,10 +130,10 @@ def test_the_replay_defers_a_storage_save_behind_a_slow_upload() -> None:
     assert slowed.wall_s == pytest.approx(steady.wall_s, abs=0.2)
 
 
-def test_the_steps_a_travelling_snapshot_slows_count_as_its_cost() -> None:
-    """Idle steps take 1 s; the two steps that begin while a snapshot travels take 1.5 s:
-    each snapshot costs its 0.05 s stall and 1 s of inflation, and the rule spaces the
-    snapshots for that cost (√21 times further apart than for the stall alone)."""
+def _snapshots_every_10(wall, phases=None) -> Cadence:
+    """40 steps of a cadence on its own clock, a snapshot after every 10th (0.05 s on the
+    training thread, then two steps' trip): `wall(done, first_trip, travelling)` is a
+    step's wall time, `phases(...)` its own phases' (None: not timed)."""
     clock = Clock()
     c = Cadence(Rates(memory=2.0, storage=0.05), memory_tier=True, max_interval_s=None, clock=clock)
     travelling = [0]
@@ -141,13 +141,23 @@ def test_the_steps_a_travelling_snapshot_slows_count_as_its_cost() -> None:
     c.tick(0)
     for done in range(1, 41):
         c.ask()  # the step's start: what is in flight
-        clock.t += 1.5 if travelling[0] else 1.0
+        first_trip = bool(travelling[0]) and done < 20
+        args = (done, first_trip, bool(travelling[0]))
+        clock.t += wall(*args)
         travelling[0] = max(0, travelling[0] - 1)
-        c.tick(done)
-        if done % 10 == 0:  # a snapshot: 0.05 s on the training thread, two steps' trip
+        c.tick(done, None if phases is None else phases(*args))
+        if done % 10 == 0:
             clock.t += 0.05
             c.saved(cad.RAM, 0.05)
             travelling[0] = 2
+    return c
+
+
+def test_the_steps_a_travelling_snapshot_slows_count_as_its_cost() -> None:
+    """Idle steps take 1 s; the two steps that begin while a snapshot travels take 1.5 s:
+    each snapshot costs its 0.05 s stall and 1 s of inflation, and the rule spaces the
+    snapshots for that cost (√21 times further apart than for the stall alone)."""
+    c = _snapshots_every_10(lambda done, first, travelling: 1.5 if travelling else 1.0)
     assert c.costs.memory_inflation_s == pytest.approx(1.0)
     assert c.costs.cost(cad.RAM) == pytest.approx(1.05)
     with_inflation = cad.decide(c.costs, c.rates, memory_tier=True, max_overhead=1.0)
@@ -160,21 +170,10 @@ def test_the_first_trip_and_time_outside_the_steps_phases_are_not_inflation() ->
     """The attempt's first snapshot sets its keeper up: the steps it travels take 3 s.
     The next one's steps take 1.5 s of wall time, but their own phases 1 s (the rest was
     outside the step: a report, a thread's start). Neither is charged as inflation."""
-    clock = Clock()
-    c = Cadence(Rates(memory=2.0, storage=0.05), memory_tier=True, max_interval_s=None, clock=clock)
-    travelling = [0]
-    c.snapshot_in_flight = lambda: travelling[0] > 0
-    c.tick(0)
-    for done in range(1, 41):
-        c.ask()
-        first_trip = travelling[0] and done < 20
-        clock.t += 3.0 if first_trip else (1.5 if travelling[0] else 1.0)
-        travelling[0] = max(0, travelling[0] - 1)
-        c.tick(done, compute_s=3.0 if first_trip else 1.0)
-        if done % 10 == 0:
-            clock.t += 0.05
-            c.saved(cad.RAM, 0.05)
-            travelling[0] = 2
+    c = _snapshots_every_10(
+        lambda done, first, travelling: 3.0 if first else (1.5 if travelling else 1.0),
+        lambda done, first, travelling: 3.0 if first else 1.0,
+    )
     assert c.costs.memory_inflation_s == 0.0
 
 
