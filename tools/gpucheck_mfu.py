@@ -198,7 +198,7 @@ def run_rank(job: Path, out: Path, steps: int) -> None:
 
     import torch
 
-    from tools.gpucheck_worker import _reset_peaks, _status
+    from tools.gpucheck_worker import RssGrowth, _reset_peaks
     from trainer.config import load_config
     from trainer.runtime import launch
 
@@ -206,14 +206,15 @@ def run_rank(job: Path, out: Path, steps: int) -> None:
     rank = int(os.environ.get("RANK", "0"))
     prep = launch._prepare_rank0_first(cfg, rank)
     gpu = cfg.scaling.use_gpu
-    _reset_peaks(gpu)
-    base = 0 if gpu else _status("VmRSS:")
-    got = step_tokens_per_s(cfg, prep, steps)
     if gpu:
+        _reset_peaks(gpu)
+        got = step_tokens_per_s(cfg, prep, steps)
         got["max_memory_reserved"] = torch.cuda.max_memory_reserved()
         got["max_memory_allocated"] = torch.cuda.max_memory_allocated()
         got["device"] = torch.cuda.get_device_name()
     else:
-        got["peak_rss"] = _status("VmHWM:") - base
+        with RssGrowth() as growth:
+            got = step_tokens_per_s(cfg, prep, steps)
+        got["peak_rss"] = growth.bytes
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({"kind": "mfu", **got}))

@@ -42,6 +42,44 @@ def _reset_peaks(gpu: bool) -> None:
             f.write("5")  # VmHWM restarts from the current RSS
 
 
+class RssGrowth:
+    """A CPU rank's memory growth over a block: the larger of the kernel's exact peak
+    resident set (VmHWM, restarted on entry) and the peak anonymous memory (RssAnon,
+    sampled every `interval_s`), each above its own value on entry.
+
+    The resident set alone is not enough on a loaded host: the kernel drops the file-backed
+    pages of torch's shared libraries (hundreds of MiB) under memory pressure, so a tiny
+    model's run can end with its resident set below where it started (a CI run read
+    -87 MB). Anonymous pages (the model, optimizer, activations, gloo's buffers) are never
+    dropped without swap, so their sampled peak is the growth the planner predicts."""
+
+    def __init__(self, interval_s: float = 0.005):
+        self.interval_s = interval_s
+        self.bytes = 0
+
+    def __enter__(self) -> "RssGrowth":
+        import threading
+
+        _reset_peaks(False)
+        self._rss0, self._anon0 = _status("VmRSS:"), _status("RssAnon:")
+        self._anon_peak = self._anon0
+        self._stop = threading.Event()
+
+        def sample() -> None:
+            while not self._stop.wait(self.interval_s):
+                self._anon_peak = max(self._anon_peak, _status("RssAnon:"))
+
+        self._thread = threading.Thread(target=sample, name="rss-growth", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        anon = max(self._anon_peak, _status("RssAnon:")) - self._anon0
+        self.bytes = max(_status("VmHWM:") - self._rss0, anon)
+
+
 def run_job(cfg) -> dict:
     """trainer.runtime.launch.run_job's torchrun branch, over the process group already up."""
     from trainer import preflight
@@ -88,9 +126,9 @@ def run(job: Path, stop_at: int, out: Path, name: str = "") -> None:
             "device": torch.cuda.get_device_name(),
         }
     else:
-        base = _status("VmRSS:")
-        first = run_job(load_config(job, [f"train.stop_at_step={stop_at}"]))
-        mem = {"peak_rss": _status("VmHWM:") - base, "device": "cpu"}
+        with RssGrowth() as growth:
+            first = run_job(load_config(job, [f"train.stop_at_step={stop_at}"]))
+        mem = {"peak_rss": growth.bytes, "device": "cpu"}
     # The same model, data and batch through the framework's own bare loop (tools/gpucheck_bare).
     from tools.gpucheck_bare import bare_tokens_per_s
 

@@ -208,3 +208,23 @@ def test_the_mfu_row_is_judged_on_finite_losses_and_an_mfu_on_gpus():
     text = gpucheck_mfu.line({**row, "step_seconds": 0.5, "device": "NVIDIA H200"})
     assert "MFU at Llama-3-8B shape (20 of 32 layers, 5.10B params, 1 GPU(s)): 41.0%" in text
     assert "mfu_8b" in gpucheck.table([{**row, "problems": []}], gpu=True)
+
+
+def test_cpu_peak_counts_anonymous_growth_when_the_kernel_drops_file_pages(tmp_path):
+    """The CI failure it fixes: under memory pressure the kernel drops file-backed pages
+    (torch's libraries) while a tiny run allocates a little, so the resident set's peak
+    never passes its start and the old figure (VmHWM - VmRSS on entry) read <= 0."""
+    import mmap
+
+    from tools.gpucheck_worker import RssGrowth
+
+    big = tmp_path / "pages"
+    big.write_bytes(b"\1" * (160 << 20))
+    with big.open("rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        assert sum(m[i] for i in range(0, len(m), 4096)) == len(m) // 4096  # resident
+        with RssGrowth() as growth:
+            m.madvise(mmap.MADV_DONTNEED)  # what reclaim does to file pages: 160 MiB gone
+            block = bytearray(48 << 20)  # then the run grows by 48 MiB of its own
+            block[::4096] = b"\2" * len(block[::4096])
+        del block
+    assert 40 << 20 < growth.bytes < 120 << 20, growth.bytes
