@@ -57,7 +57,7 @@ class RssGrowth:
         self.interval_s = interval_s
         self.bytes = 0
 
-    def __enter__(self) -> "RssGrowth":
+    def __enter__(self) -> RssGrowth:
         import threading
 
         _reset_peaks(False)
