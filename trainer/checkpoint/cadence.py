@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 HARDWARE_FAILURES_PER_GPU_HOUR = 2e-5
@@ -664,6 +664,7 @@ def for_run(
     rates = observed_rates(rates, counts, hours)
     cadence = Cadence(
         rates,
+        prior_costs=journaled_costs(journal_records),
         memory_tier=memory_tier,
         max_overhead=max_overhead,
         max_interval_s=max_interval_s,
@@ -683,6 +684,24 @@ def for_run(
     if recent and failed[-1] - failed[-n] < BURST_S:
         cadence.shorten("fault burst")
     return cadence
+
+
+def journaled_costs(records: list[dict[str, Any]]) -> Costs | None:
+    """The costs the run's last journaled decision measured (None before any): a restarted
+    attempt starts from them, measuring on. Without them every attempt would measure again
+    from nothing, a snapshot and a storage save at its first steps and intervals too short
+    until each tier's second trip measured its inflation: with four attempts in a run that
+    was a third more snapshots and three times the storage saves of the same intervals
+    set by number (the cadence bench on the development VM)."""
+    last = next((r.get("costs") for r in reversed(records) if r.get("event") == "cadence"), None)
+    if not isinstance(last, dict):
+        return None
+    known = {f.name for f in fields(Costs)}
+    try:
+        costs = Costs(**{k: float(v) for k, v in last.items() if k in known})
+    except (TypeError, ValueError):  # a journal from another version: measure afresh
+        return None
+    return costs if costs.memory_stall_s > 0 or costs.storage_stall_s > 0 else None
 
 
 def memory_tier_on(cfg: Any, ray_train: bool) -> bool:

@@ -5,7 +5,8 @@ schedule instead of sampled failures, step by step, with the run's own cadence c
 its phase averaged. A replay takes the faults a run met (the step each attempt ended at, its
 cause, what the restart took) and the costs each attempt measured, and runs the same steps
 through `trainer.checkpoint.cadence.Cadence` on a clock of its own: the same warm-up, the
-same "measuring" saves at an attempt's start, the same Young/Daly decisions and burst after
+same "measuring" saves at the first attempt's start (a later one starts from the costs
+the last journaled decision measured), the same Young/Daly decisions and burst after
 two faults, the writes landing `*_write_s` after their saves. A save that comes due while
 its tier's write is in flight waits for it to land, training on (the cadence's deferral:
 what is in flight is sampled at each step's start, as the ranks' all-reduce does); one
@@ -37,6 +38,7 @@ from trainer.checkpoint.cadence import (
     Cadence,
     Rates,
     burst_faults,
+    journaled_costs,
     observed_rates,
 )
 
@@ -202,7 +204,8 @@ def _cadence_for(
     memory_tier: bool,
 ) -> Cadence:
     """The attempt's cadence as trainer.checkpoint.cadence.for_run builds it: the prior
-    moved by the faults so far, and a burst when enough came within BURST_S."""
+    moved by the faults so far, the costs of the last decision journaled, and a burst when
+    enough came within BURST_S."""
     counts: dict[str, int] = {}
     for _, cause in failures:
         counts[cause] = counts.get(cause, 0) + 1
@@ -211,7 +214,13 @@ def _cadence_for(
     def journal(event: str, **fields: Any) -> None:
         decisions.append({"event": event, "attempt": n + 1, **fields})
 
-    cadence = Cadence(rates, memory_tier=memory_tier, journal=journal, clock=clock)
+    cadence = Cadence(
+        rates,
+        memory_tier=memory_tier,
+        journal=journal,
+        clock=clock,
+        prior_costs=journaled_costs(decisions),
+    )
     times = [t for t, _ in failures]
     need = burst_faults(rates)
     if len(times) >= need and clock.t - times[-1] < BURST_S and times[-1] - times[-need] < BURST_S:

@@ -273,3 +273,43 @@ def test_a_run_starts_from_its_pool_and_its_journal() -> None:
         )
         is None
     )
+
+
+def test_a_restarted_attempt_starts_from_the_costs_its_run_journaled() -> None:
+    """No measuring again from nothing at each restart (a snapshot and a storage save at
+    once, then intervals too short until inflation is measured): the first decision of a
+    later attempt uses the costs of the run's last journaled one."""
+    log: list[dict] = []
+    first = _cadence(log, Clock())
+    first.decide_alone()
+    before = first.decision
+    assert before is not None and "measuring" not in before.reasons.values()
+
+    def attempt(records: list[dict]) -> Cadence:
+        c = cad.for_run(
+            every_steps="auto",
+            memory_every="auto",
+            memory_tier=True,
+            max_overhead=0.05,
+            nodes=2,
+            gpus_per_node=1,
+            spot_band=None,
+            journal_records=records,
+            journal=None,
+            failure_rate_per_hour=2.05 / (1 - cad.PAIR_SHARE),
+        )
+        assert c is not None
+        for _ in range(Cadence.WARMUP_STEPS):
+            c.step_time(1.0)
+        c.decide_alone()
+        return c
+
+    again = attempt([{"event": "attempt", "time": 0.0}, *log])
+    assert again.costs.storage_stall_s == pytest.approx(2.0)
+    assert "measuring" not in again.decision.reasons.values()
+    assert again.decision.memory_every == before.memory_every > 1
+    assert again.decision.storage_every > 1
+    # a journal with no decision (or one this version cannot read): measure afresh
+    fresh = attempt([{"event": "cadence", "costs": {"step_s": "?"}}])
+    assert (fresh.decision.memory_every, fresh.decision.storage_every) == (1, 1)
+    assert cad.journaled_costs([{"event": "cadence", "costs": {"step_s": 1.0}}]) is None

@@ -67,9 +67,10 @@ def test_two_faults_within_the_burst_window_shorten_the_ram_tier() -> None:
         rates=RATES,
         max_interval_s=None,
     )
-    # each from its newest snapshot that landed: 15; then the measuring one at 20 (30's
-    # was on its way when the fault came)
-    assert got.resumed_from == [15, 20] and got.lost_steps == (20 - 15) + (30 - 20)
+    # each from its newest snapshot that landed: 15; then 25, ten steps after the resume at
+    # 15 (the second attempt starts from the costs journaled in the first: no measuring
+    # snapshot at its start; 30's was on its way when the fault came)
+    assert got.resumed_from == [15, 25] and got.lost_steps == (20 - 15) + (30 - 25)
     by = {n: [d for d in got.decisions if d["attempt"] == n] for n in (1, 2, 3)}
     assert by[2][-1]["memory_every"] == 10 and by[2][-1]["burst"] is False  # one fault
     third = by[3][-1]
