@@ -182,21 +182,30 @@ def fmt(x: float) -> str:
 
 
 def interleave(
-    commands: Mapping[str, Command], rounds: int, log: Callable[[str], None] = print
+    commands: Mapping[str, Command],
+    rounds: int,
+    log: Callable[[str], None] = print,
+    rotate: bool = False,
 ) -> list[Round]:
     """Run every command once per round, in the given order, `rounds` times:
-    A, B, A, B, ... never A, A, B, B."""
+    A, B, A, B, ... never A, A, B, B. `rotate`: round i starts at the i-th command
+    (A, B, C / B, C, A / C, A, B), so no command always runs first after the previous
+    round's last (whose teardown may still hold the cores) or always on a fresh cluster.
+    Each round's figures keep the commands' order."""
     if not commands:
         raise ValueError("a benchmark needs at least one command")
     out: list[Round] = []
+    names = list(commands)
     for i in range(rounds):
         this: Round = {}
-        for name, command in commands.items():
+        shift = i % len(names) if rotate else 0
+        for name in names[shift:] + names[:shift]:
+            command = commands[name]
             log(f"[round {i + 1}/{rounds}] {name} …")
             t0 = time.perf_counter()
             this[name] = {k: float(v) for k, v in command(i).items()}
             log(f"[round {i + 1}/{rounds}] {name} done in {time.perf_counter() - t0:.1f}s")
-        out.append(this)
+        out.append({name: this[name] for name in names})
     return out
 
 
@@ -337,10 +346,12 @@ def run_benchmark(
     setup: Mapping[str, Any] | None = None,
     rounds: int | None = None,
     out_dir: Path | None = None,
+    rotate: bool = False,
 ) -> dict[str, Any]:
-    """Interleave the commands for `rounds` (default: RAYLIFT_BENCH_REPEATS) and report."""
+    """Interleave the commands for `rounds` (default: RAYLIFT_BENCH_REPEATS) and report;
+    `rotate`: each round starts one command further (see `interleave`)."""
     __tracebackhide__ = True
-    done = interleave(commands, repeats() if rounds is None else rounds)
+    done = interleave(commands, repeats() if rounds is None else rounds, rotate=rotate)
     return report(
         name, done, checks, title=title, metric=metric, unit=unit, setup=setup, out_dir=out_dir
     )

@@ -44,6 +44,14 @@ def test_interleave_runs_round_by_round():
     assert list(rounds[1]) == ["a", "b", "c"]
 
 
+def test_interleave_can_rotate_who_runs_first():
+    calls: list[str] = []
+    commands = {n: _recorder(calls, n, v) for n, v in (("a", 1.0), ("b", 2.0), ("c", 3.0))}
+    rounds = interleave(commands, 4, log=lambda _: None, rotate=True)
+    assert calls == ["a0", "b0", "c0", "b1", "c1", "a1", "c2", "a2", "b2", "a3", "b3", "c3"]
+    assert all(list(r) == ["a", "b", "c"] and r["c"]["v"] == 3.0 for r in rounds)
+
+
 def test_stats_median_and_spread():
     s = Stats((3.0, 1.0, 2.0))
     assert (s.median, s.low, s.high, s.spread) == (2.0, 1.0, 3.0, 2.0)
