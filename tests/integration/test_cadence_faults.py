@@ -21,8 +21,12 @@ attempt's measured costs, the step and cause that ended it, its restart) predict
 lost steps and the runtime goodput within 10 %.
 
 The rates are set for a drill (checkpoint.failure_rate_per_hour: 2 an hour, so two faults
-make a burst) and the wall-time cap is 15 s (checkpoint.max_interval_s), so the intervals
-the rule picks are seconds, not hours: each move shows within the run.
+make a burst) and the wall-time cap is 4 s (checkpoint.max_interval_s), so the intervals
+the rule picks are seconds, not hours: each move shows within the run. The cap is that short
+for the write floor: a restarted attempt starts from the run's journaled costs (no
+measuring save at its start), so the slow attempt's first upload starts one storage
+interval in and lands SLOW_S later, and the floor shows only if that is well inside the
+attempt's ~1100 steps (18 s on a quiet VM).
 """
 
 from __future__ import annotations
@@ -52,8 +56,8 @@ pytestmark = pytest.mark.slow
 STEPS = 1200
 KILL_AT = 15
 RATE = 2.0  # hard failures an hour (checkpoint.failure_rate_per_hour)
-CAP_S = 15.0  # checkpoint.max_interval_s
-SLOW_S = 20.0  # the storage slowdown: seconds more per upload
+CAP_S = 4.0  # checkpoint.max_interval_s
+SLOW_S = 6.0  # the storage slowdown: seconds more per upload (the floor: 2 intervals)
 WORKERS = 2
 STALLS = ("ckpt", "snap", "eval")
 
@@ -235,7 +239,8 @@ def judge(run: Run, records: list[dict[str, Any]], node_lost: float) -> tuple[in
     # snapshot measured 4 times dearer after the node loss cancelled the halving once.
     unburst = {**burst, "burst": False}
     assert _seconds(burst, "memory") <= _seconds(unburst, "memory"), (calm, burst)
-    if burst["reasons"]["memory"] in ("young", "daly"):
+    rule = ("young", "daly")  # where the cap binds the calm interval, halving may not show
+    if burst["reasons"]["memory"] in rule and _rule(unburst).reasons["memory"] in rule:
         assert _seconds(burst, "memory") < 0.75 * _seconds(unburst, "memory"), (calm, burst)
     # Slow storage: the write floor lengthens the storage interval past what it was.
     last = run.decided(after=drained["time"])()
