@@ -14,7 +14,7 @@ from trainer.checkpoint.cadence import Cadence, Costs, decide
 from trainer.config import JobConfig
 
 
-def _for_run(records: list[dict], rate: float | None) -> Cadence:
+def _for_run(records: list[dict], rate: float | None, journal=None) -> Cadence:
     got = cad.for_run(
         every_steps="auto",
         memory_every="auto",
@@ -24,11 +24,43 @@ def _for_run(records: list[dict], rate: float | None) -> Cadence:
         gpus_per_node=1,
         spot_band=None,
         journal_records=records,
-        journal=None,
+        journal=journal,
         failure_rate_per_hour=rate,
     )
     assert got is not None
     return got
+
+
+def test_a_restarted_attempt_starts_from_the_costs_its_run_journaled() -> None:
+    """No measuring again from nothing at each restart (a snapshot and a storage save at
+    once, then intervals too short until inflation is measured): the first decision of a
+    later attempt uses the costs of the run's last journaled one."""
+    log: list[dict] = []
+    first = _for_run([], 2.0, journal=lambda event, **f: log.append({"event": event, **f}))
+    for _ in range(Cadence.WARMUP_STEPS):
+        first.step_time(1.0)
+    first.saved(cad.RAM, 0.05)
+    first.saved(cad.STORAGE, 2.0)
+    first.decide_alone()
+    before = first.decision
+    assert before is not None and "measuring" not in before.reasons.values()
+
+    def attempt(records: list[dict]) -> Cadence:
+        c = _for_run(records, 2.0)
+        for _ in range(Cadence.WARMUP_STEPS):
+            c.step_time(1.0)
+        c.decide_alone()
+        return c
+
+    again = attempt([{"event": "attempt", "time": 0.0}, *log])
+    assert again.costs.storage_stall_s == pytest.approx(2.0)
+    assert "measuring" not in again.decision.reasons.values()
+    assert again.decision.memory_every == before.memory_every > 1
+    assert again.decision.storage_every == before.storage_every > 1
+    # a journal with no decision (or one this version cannot read): measure afresh
+    fresh = attempt([{"event": "cadence", "costs": {"step_s": "?"}}])
+    assert (fresh.decision.memory_every, fresh.decision.storage_every) == (1, 1)
+    assert cad.journaled_costs([{"event": "cadence", "costs": {"step_s": 1.0}}]) is None
 
 
 def test_the_rate_replaces_the_prior_and_the_rule_follows_it() -> None:
