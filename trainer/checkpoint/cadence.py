@@ -691,7 +691,7 @@ def journaled_costs(records: list[dict[str, Any]]) -> Costs | None:
     attempt starts from them, measuring on. Without them every attempt would measure again
     from nothing, a snapshot and a storage save at its first steps and intervals too short
     until each tier's second trip measured its inflation: with four attempts in a run that
-    was a third more snapshots and three times the storage saves of the same intervals
+    was 35-54 snapshots and 20-25 storage saves against 29 and 8 for similar intervals
     set by number (the cadence bench on the development VM)."""
     last = next((r.get("costs") for r in reversed(records) if r.get("event") == "cadence"), None)
     if not isinstance(last, dict):
