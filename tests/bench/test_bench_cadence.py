@@ -197,7 +197,6 @@ def _detection_s(records: list[dict[str, Any]], events: list[dict[str, Any]]) ->
     attempts = sorted(
         (e for e in events if e.get("event") == "attempt"), key=lambda e: e["attempt"]
     )
-    failures = sorted(float(e["time"]) for e in events if e.get("event") == "failure")
     total = 0.0
     for a, nxt in itertools.pairwise(attempts):
         mine = [
@@ -205,10 +204,9 @@ def _detection_s(records: list[dict[str, Any]], events: list[dict[str, Any]]) ->
         ]
         if not mine:
             continue
-        last = max(mine)
-        seen = [t for t in failures if last <= t <= float(nxt.get("began") or nxt["time"])]
-        if seen:
-            total += (seen[0] - last) * int(a.get("world_size") or 1)
+        last = max(mine)  # the split's own lookup: `last` itself where none was journaled
+        failed = goodput._failure_time(events, last, float(nxt.get("began") or nxt["time"]))
+        total += (failed - last) * int(a.get("world_size") or 1)
     return total
 
 
