@@ -19,7 +19,7 @@ PAGE = Path(__file__).resolve().parents[1] / "docs" / "config-reference.md"
 
 INTRO = (
     "Every field of a job's YAML file, generated from the config models in "
-    "`trainer/config.py`: unknown keys, wrong types and impossible combinations are errors "
+    "`trainer/config/`: unknown keys, wrong types and impossible combinations are errors "
     "that name the field (and `file:line` where known), and any field can be overridden "
     "on the command line with `--set section.field=value`."
 )
@@ -31,6 +31,9 @@ def _type(annotation: Any) -> str:
     )
     text = text or str(annotation)
     text = text.replace("typing.", "").replace("NoneType", "null").replace("None", "null")
+    # A section's model is named as the package exports it (trainer.config.SourceSpec), not
+    # by the module of the package it happens to live in.
+    text = re.sub(r"\btrainer\.config\.\w+\.(?=[A-Z])", "trainer.config.", text)
     return text.replace("|", "\\|")
 
 

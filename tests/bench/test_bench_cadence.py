@@ -19,7 +19,7 @@ Configs (checkpoint.memory_every / every_steps):
 - `fixed_m<M>`: M / STORAGE_EVERY, for each M of the sweep (RAM tier every M steps,
   storage every STORAGE_EVERY, the kind of numbers users write);
 - `old_defaults`: 0 / null, what the two fields defaulted to before `auto` (git log -S
-  every_steps -- trainer/config.py: no RAM tier, storage only at the end).
+  every_steps -- trainer/config/checkpoint.py: no RAM tier, storage only at the end).
 
 Figures per run: runtime goodput as the report splits it (steps kept ÷ paid worker time,
 trainer.observability.goodput over the metrics file and the journal), steps trained and
