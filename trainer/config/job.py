@@ -12,6 +12,7 @@ from trainer.config.base import _RUN_NAME, STRATEGIES, _Section
 from trainer.config.checkpoint import CheckpointSection, StorageSection
 from trainer.config.data import DataSection
 from trainer.config.model import ModelSection
+from trainer.config.rl import RL_OBJECTIVES
 from trainer.config.run import RunSection, TrackingSection
 from trainer.config.scaling import ScalingSection
 from trainer.config.strategy import DDPOptions, FSDPOptions, StrategyOptions
@@ -100,6 +101,46 @@ class JobConfig(_Section):
                 "(pairs are never packed: each sequence is a block of its own); leave it auto"
             )
 
+    def _check_rl(self) -> None:
+        """What an online RL objective cannot do in this build, each refused in one line;
+        the global batch (completions per step) holds whole groups, as TRL requires."""
+        objective, s, rl = self.train.objective, self.strategy, self.train.rl
+        if isinstance(s, FSDPOptions) and (s.tp > 1 or s.pp > 1):
+            raise ValueError(
+                f"train.objective: {objective} with strategy.tp/pp > 1 is not supported in this "
+                "build (generate needs whole layers on every rank); use tp = pp = 1"
+            )
+        if self.data.attention == "document":
+            raise ValueError(
+                f"data.attention: document does not apply to train.objective {objective} "
+                "(completions are never packed: each is a row of its own); leave it auto"
+            )
+        if self.data.eval_file is not None:
+            raise ValueError(
+                f"data.eval_file: not supported with train.objective {objective} in this build "
+                "(eval_loss is a next-token loss); leave it unset"
+            )
+        if not rl.rewards:
+            raise ValueError(
+                f"train.rl.rewards: train.objective {objective} needs at least one reward, e.g. "
+                "[{function: rewards.py:my_reward}] or [{function: math_answer}]"
+            )
+        if objective == "rloo" and rl.loss_type != "dapo":
+            raise ValueError(
+                f"train.rl.loss_type: {rl.loss_type} does not apply to rloo (its loss is one "
+                "clipped term per completion); remove it or use objective grpo"
+            )
+        per_step = self.train.micro_batch_size * self.data_parallel
+        gb = self.train.global_batch_size or per_step * self.train.grad_accum
+        whole = rl.num_generations * self.data_parallel
+        if gb % whole:
+            raise ValueError(
+                f"train.global_batch_size: {gb} completions per step is not a multiple of "
+                f"train.rl.num_generations × data-parallel replicas = {rl.num_generations} × "
+                f"{self.data_parallel} = {whole} (each prompt's group is sampled whole on one "
+                "worker); use a multiple of it"
+            )
+
     @model_validator(mode="after")
     def _combinations(self) -> JobConfig:
         t, s = self.train, self.scaling
@@ -127,7 +168,9 @@ class JobConfig(_Section):
             )
         if self.model.adapter != "none":
             self._check_adapter()
-        if t.objective != "sft":
+        if t.objective in RL_OBJECTIVES:
+            self._check_rl()
+        elif t.objective != "sft":
             self._check_preference()
         if t.global_batch_size is not None:
             per_step = t.micro_batch_size * self.data_parallel
@@ -294,7 +337,7 @@ class JobConfig(_Section):
     @property
     def sequences_per_example(self) -> int:
         """Sequences one batch item holds: a preference pair is two (chosen, rejected)."""
-        return 1 if self.train.objective == "sft" else 2
+        return 1 if self.train.objective in ("sft", *RL_OBJECTIVES) else 2
 
     @property
     def tokens_per_step(self) -> int:

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from trainer.config.base import _Section
+from trainer.config.rl import RLSection
 
 
 class OptimSection(_Section):
@@ -28,7 +29,7 @@ class OptimSection(_Section):
     grad_clip: float | None = Field(default=1.0, gt=0, description="Max grad norm; null = off.")
 
 
-OBJECTIVES = ("sft", "dpo", "ipo", "hinge", "simpo", "orpo")
+OBJECTIVES = ("sft", "dpo", "ipo", "hinge", "simpo", "orpo", "grpo", "rloo")
 """Training objectives (trainer.objectives): what a batch is and how its loss is made."""
 
 PREFERENCE_BETA = {"dpo": 0.1, "ipo": 0.1, "hinge": 0.1, "simpo": 2.0, "orpo": 0.1}
@@ -70,16 +71,21 @@ class PreferenceSection(_Section):
 
 
 class TrainSection(_Section):
-    objective: Literal["sft", "dpo", "ipo", "hinge", "simpo", "orpo"] = Field(
+    objective: Literal["sft", "dpo", "ipo", "hinge", "simpo", "orpo", "grpo", "rloo"] = Field(
         default="sft",
         description="sft: next-token loss on the data's targets. dpo, ipo, hinge: preference "
         "losses against a reference (the base with the adapter off under lora/qlora, else "
         "log-probs precomputed before step 1); simpo, orpo: preference losses without a "
-        "reference. Preference data are prompt/chosen/rejected rows (docs: preference).",
+        "reference. Preference data are prompt/chosen/rejected rows (docs: preference). "
+        "grpo, rloo: online RL from rewards on completions sampled from prompt rows (docs: rl).",
     )
     preference: PreferenceSection = Field(
         default_factory=PreferenceSection,
         description="Options of the preference objectives.",
+    )
+    rl: RLSection = Field(
+        default_factory=RLSection,
+        description="Options of the online RL objectives (grpo, rloo).",
     )
     micro_batch_size: int = Field(
         default=1,
