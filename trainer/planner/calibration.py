@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import UserError
+from trainer.planner import runstore
 
 FORMAT = 1
 FILE_NAME = "calibration.json"
@@ -106,14 +107,12 @@ def find(
     region: str | None = None,
 ) -> Calibration | None:
     """The calibration beside the storage path's runs for this GPU kind, if any (an s3://
-    path through trainer.planner.history's reader; one it cannot read has none)."""
+    path through trainer.planner.runstore's reader; one it cannot read has none)."""
     if storage and gpu_model and storage.startswith("s3://"):
-        from trainer.planner import history
-
         rel = f"{CALIBRATION_DIR}/{gpu_model}.json"
         try:
-            text = history.s3_text(storage, rel, endpoint_override, region)
-        except history.Unreadable:  # the plan's history line says so
+            text = runstore.s3_text(storage, rel, endpoint_override, region)
+        except runstore.Unreadable:  # the plan's history line says so
             return None
         if text is None:
             return None

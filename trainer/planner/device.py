@@ -29,7 +29,7 @@ import yaml
 from trainer.planner.calibration import Calibration
 
 if TYPE_CHECKING:
-    from trainer.planner.memory import Setup
+    from trainer.planner.setup import Setup
 
 MIB = 1024**2
 MIN_MARGIN = 0.05

@@ -8,7 +8,7 @@ and `python -m trainer plan` runs it on a cluster node.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trainer.config import JobConfig
@@ -21,22 +21,22 @@ from trainer.planner.flops import PEAK_FLOPS
 from trainer.planner.memory import (
     HostMemory,
     RankMemory,
-    Setup,
     communication,
     host_memory,
     rank_memory,
 )
+from trainer.planner.setup import Setup, for_model
 from trainer.planner.shape import (
     _ORDER,
     DEFAULT_MFU,
     GIB,
-    HOST_NODE_RESERVE,
     OFFLOAD_MFU,
     TIGHT,
     ModelShape,
     Verdict,
     shape_for_job,
 )
+from trainer.planner.tiers import plan_note
 
 # ---------------------------------------------------------------- layouts, verdicts, cost
 
@@ -171,7 +171,7 @@ def layout(
             on_node = min(k, left)
             left -= on_node
             rank0_here = has_rank0 and node_index == 0
-            need = _host_need(host, on_node, rank0_here)
+            need = host.node_need(on_node, rank0_here)
             check = NodeCheck(
                 instance=inst.name,
                 count=1,
@@ -197,16 +197,6 @@ def layout(
         per_rank, source = throughput(shape, s, pool, mfu)
         tps = per_rank * s.world if per_rank is not None else None
     return Layout(world=s.world, nodes=nodes, tokens_per_s=tps, tokens_per_s_source=source)
-
-
-def _host_need(host: HostMemory, ranks: int, rank0: bool) -> float:
-    """Peak of the load phase and the training phase (plus the export on rank 0's node)."""
-    steady = ranks * (host.process + host.offload + host.staging + host.keeper) + (
-        host.export + host.staging_rank0 if rank0 else 0.0
-    )
-    steady += host.keeper_node  # the RAM tier: rank 0's snapshots, here or as buddy
-    loading = ranks * (host.process + host.load)
-    return HOST_NODE_RESERVE + max(steady, loading)
 
 
 def _merge_node(nodes: list[NodeCheck], check: NodeCheck) -> None:
@@ -386,18 +376,6 @@ def cheapest_layout(
     return None
 
 
-def for_model(s: Setup, shape: ModelShape) -> Setup:
-    """The job's settings resolved for its model's family (trainer.model.families): the
-    attention kernel auto picks, and the LoRA targets auto picks, as the workers will."""
-    attention = shape.attention("eager" if s.eager_attention else s.attention)
-    return replace(
-        s,
-        attention=attention,
-        eager_attention=attention == "eager",
-        lora_targets=shape.lora_targets(s.lora_targets),
-    )
-
-
 def plan_job(
     cfg: JobConfig,
     instance: str | None = None,
@@ -439,8 +417,6 @@ def plan_job(
             tokens_per_epoch,
         )
     )
-    from trainer.planner.tiers import plan_note  # tiers imports this module
-
     ram_tier = plan_note(cfg, result, shape)  # where the host-RAM check turns auto off
     result.notes += [ram_tier] if ram_tier else []
     return result

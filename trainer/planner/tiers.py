@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from trainer.planner.memory import Setup, host_memory, rank_memory
-from trainer.planner.plan import _host_need, for_model
+from trainer.planner.memory import host_memory, rank_memory
+from trainer.planner.setup import Setup, for_model
 from trainer.planner.shape import GIB, shape_for_job
 
 
@@ -25,7 +25,7 @@ def keeper_need(cfg: Any, ranks_per_node: int, shape: Any = None) -> tuple[float
     for on in (True, False):
         s = replace(base, memory_tier=on)
         host = host_memory(shape, s, rank_memory(shape, s, None, ranks_per_node))
-        needs.append(_host_need(host, ranks_per_node, rank0=True))
+        needs.append(host.node_need(ranks_per_node, rank0=True))
     return needs[0], needs[1]
 
 
