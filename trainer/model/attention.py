@@ -16,6 +16,7 @@ from typing import Any
 
 from trainer.config import JobConfig
 from trainer.model import families, hfconfig
+from trainer.model.folders import local_model_dir
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,5 @@ def _for_folder(requested: str, model_dir: str) -> Attention:
 def for_job(cfg: JobConfig, model_dir: Path | None = None) -> Attention:
     """This job's attention, from the (local copy of the) model folder."""
     if model_dir is None:
-        from trainer.model.loading import local_model_dir
-
         model_dir = local_model_dir(cfg)
     return _for_folder(cfg.model.attn_implementation, str(model_dir))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -13,33 +12,12 @@ import torch
 from trainer.config import JobConfig
 from trainer.data.sources import load_special_tokens
 from trainer.errors import DeviceError, UserError
-from trainer.storage.local import local_storage
+from trainer.model import attention
+from trainer.model.folders import MODEL_CACHE as MODEL_CACHE
+from trainer.model.folders import local_model_dir as local_model_dir
+from trainer.model.folders import local_tokenizer_dir as local_tokenizer_dir
 
 log = logging.getLogger(__name__)
-
-_LOCAL = local_storage()
-MODEL_CACHE = Path(
-    os.environ.get("RAYLIFT_MODEL_CACHE")
-    or (_LOCAL or Path(tempfile.gettempdir())) / "raylift" / "models"
-)
-"""Downloaded models: the node's local NVMe where it has one (a 70B base is 140 GB), else
-the temp folder; RAYLIFT_MODEL_CACHE overrides both."""
-
-
-def local_model_dir(cfg: JobConfig) -> Path:
-    from trainer.storage.location import localize
-
-    return localize(cfg.model.path, cfg.storage.endpoint_override, cfg.storage.region, MODEL_CACHE)
-
-
-def local_tokenizer_dir(cfg: JobConfig) -> Path:
-    if cfg.model.tokenizer is None:
-        return local_model_dir(cfg)
-    from trainer.storage.location import localize
-
-    return localize(
-        cfg.model.tokenizer, cfg.storage.endpoint_override, cfg.storage.region, MODEL_CACHE
-    )
 
 
 def load_tokenizer(tokenizer_dir: Path, special_tokens_file: str | None) -> Any:
@@ -147,8 +125,6 @@ def load_model(
     dtype, e.g. for a frozen adapter base) and grow the embeddings to the tokenizer's size
     with rows every strategy agrees on."""
     from transformers import AutoModelForCausalLM
-
-    from trainer.model import attention
 
     impl = attention.for_job(cfg, model_dir).impl
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": impl}
