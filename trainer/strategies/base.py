@@ -7,13 +7,14 @@ the grad norm); it saves and loads its own resume state; and it writes the user'
 (a plain Hugging Face folder, or a PEFT adapter folder). It runs the model for the loop
 (`train_micro`, `eval_loss`, `logits`), so a pipeline's stages stay its own business.
 The loop calls exactly the methods of `Strategy` and never asks which one it has; adding
-one means a module that implements them and a line in `build_strategy`.
+one means a module that implements them and a line in `IMPLEMENTATIONS`.
 
 A strategy knows nothing about data, Ray or storage: it reads and writes local folders.
 """
 
 from __future__ import annotations
 
+import importlib
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,21 +96,23 @@ class Strategy(Protocol):
         it (a process's peak RSS or peak device memory is where those show)."""
 
 
+# strategy.name → the module and class that implement it, imported when a job uses it: the
+# seam sits below its strategies and imports none of them (each imports ModelSource from
+# here). A new strategy is a line here and a module beside this file.
+IMPLEMENTATIONS: dict[str, tuple[str, str]] = {
+    "ddp": ("trainer.strategies.ddp", "DDPStrategy"),
+    "fsdp": ("trainer.strategies.fsdp", "FSDPStrategy"),
+    "deepspeed": ("trainer.strategies.deepspeed.engine", "DeepSpeedStrategy"),
+}
+
+
 def build_strategy(cfg: JobConfig, device: torch.device, rank: int, world_size: int) -> Strategy:
+    """The job's strategy, its module imported only now (DeepSpeed's only where it runs)."""
     name = cfg.strategy.name
-    if name == "ddp":
-        from trainer.strategies.ddp import DDPStrategy
-
-        return DDPStrategy(cfg, device, world_size)
-    if name == "fsdp":
-        from trainer.strategies.fsdp import FSDPStrategy
-
-        return FSDPStrategy(cfg, device, world_size)
-    if name == "deepspeed":
-        from trainer.strategies.deepspeed.engine import DeepSpeedStrategy
-
-        return DeepSpeedStrategy(cfg, device, world_size)
-    raise ValueError(f"strategy.name: unknown strategy {name!r}")
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"strategy.name: unknown strategy {name!r}")
+    module, cls = IMPLEMENTATIONS[name]
+    return getattr(importlib.import_module(module), cls)(cfg, device, world_size)
 
 
 def param_groups(

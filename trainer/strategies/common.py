@@ -12,13 +12,12 @@ import torch
 
 from trainer.config import JobConfig
 from trainer.errors import UserError
+from trainer.strategies.base import param_groups
 
 
 def build_optimizer(
     cfg: JobConfig, model: torch.nn.Module, keep_empty: bool = True
 ) -> torch.optim.Optimizer:
-    from trainer.strategies.base import param_groups
-
     o = cfg.optim
     groups = param_groups(model, o.weight_decay, keep_empty)
     kwargs: dict[str, Any] = {"lr": o.lr, "betas": o.betas, "eps": o.eps}
