@@ -39,7 +39,9 @@ buddy keeper (trainer.checkpoint.memory), after the node's keeper has it; traini
 on meanwhile. The holder touches PATH.buddy.r<RANK>."""
 UPLOAD_PAUSE_ENV = "RAYLIFT_FAULT_UPLOAD_PAUSE_S"
 """Seconds every checkpoint upload pauses between its data files and its manifests, the
-window a kill or a storage outage must not turn into a checkpoint that looks complete."""
+window a kill or a storage outage must not turn into a checkpoint that looks complete.
+SECONDS@RANK pauses only that rank's uploads (the rank as torchrun and Ray Train set RANK):
+one rank's share lands well after the others', as a slow node's would."""
 SLOW_STORAGE_ENV = "RAYLIFT_FAULT_SLOW_STORAGE"
 """PATH:SECONDS: while the file PATH exists, every checkpoint upload that starts pauses
 SECONDS more between its data files and its manifests: a storage slowdown a test switches
@@ -105,9 +107,11 @@ def hold_write(step: int, rank: int) -> None:
 
 
 def upload_pause_s() -> float:
-    """RAYLIFT_FAULT_UPLOAD_PAUSE_S (0 when unset), plus RAYLIFT_FAULT_SLOW_STORAGE's
-    seconds while its file exists."""
-    pause = float(os.environ.get(UPLOAD_PAUSE_ENV, "0") or 0)
+    """RAYLIFT_FAULT_UPLOAD_PAUSE_S (0 when unset, or set for another rank), plus
+    RAYLIFT_FAULT_SLOW_STORAGE's seconds while its file exists."""
+    seconds, _, rank = os.environ.get(UPLOAD_PAUSE_ENV, "").partition("@")
+    mine = not rank or rank.strip() == os.environ.get("RANK", "0")
+    pause = float(seconds or 0) if mine else 0.0
     path, _, seconds = os.environ.get(SLOW_STORAGE_ENV, "").rpartition(":")
     if path and Path(path).exists():
         pause += float(seconds)

@@ -13,6 +13,8 @@ import logging
 import time
 from typing import Any
 
+from trainer.checkpoint import manager as ckpt_mod
+from trainer.errors import CheckpointError
 from trainer.resilience.rebalance import RebalanceWatch
 
 log = logging.getLogger("trainer")
@@ -61,13 +63,31 @@ class PreemptionWatch:
         return self.notice is not None and not is_last
 
     def ride_out(self, done: int, saving_started: float) -> None:
-        """After the emergency checkpoint of `done`: say what it took, journal it, and wait
-        for the reclaim (Ray restarts the group elsewhere)."""
+        """After the emergency checkpoint of `done`: wait until every rank's share is in
+        storage, check it is complete, say what it took, journal it, and wait for the
+        reclaim (Ray restarts the group elsewhere). Collective.
+
+        Each rank's report returns once its own share (and its earlier uploads) is
+        uploaded, not the others': rank 0 used to journal the notice while rank 1 was still
+        uploading, and a reclaim at that moment left the step torn (rank 1's manifest
+        missing). So the ranks meet first, and the journal's `preemption` record means the
+        checkpoint is complete in storage. A checkpoint that is still torn then fails the
+        attempt here, which restarts from the newest complete one, rather than riding out
+        a notice with nothing whole to resume from."""
         assert self.notice is not None
         rt = self.rt
+        rt.barrier()  # every rank's manifest is uploaded: its report has returned
         took = time.monotonic() - saving_started
         left = self.notice["deadline_s"]
         if rt.rank == 0:
+            where = rt.run.join(ckpt_mod.dir_name(done))
+            state, why = ckpt_mod.completeness(where)
+            if state is None:
+                raise CheckpointError(
+                    f"{where.uri}: the emergency checkpoint of step {done} is incomplete "
+                    f"after every rank uploaded it ({why}); restarting from the newest "
+                    "complete checkpoint"
+                )
             log.warning(
                 "emergency checkpoint of step %d saved in %.1f s%s",
                 done,
@@ -82,5 +102,6 @@ class PreemptionWatch:
                     deadline_s=left,
                     save_s=round(took, 3),
                     margin_s=None if left is None else round(left - took, 3),
+                    complete=True,
                 )
         rt.wait_out_preemption(None if left is None else left - took)

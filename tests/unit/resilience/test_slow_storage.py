@@ -19,3 +19,13 @@ def test_uploads_slow_down_while_the_file_exists(tmp_path, monkeypatch) -> None:
     switch.unlink()
     assert faults.upload_pause_s() == 2.0
     assert faults.SLOW_STORAGE_ENV in faults.WORKER_ENV  # the driver passes it on
+
+
+def test_a_pause_for_one_rank_leaves_the_others_alone(monkeypatch) -> None:
+    """SECONDS@RANK: only that rank's uploads pause (the spot drill's slow second share)."""
+    monkeypatch.delenv(faults.SLOW_STORAGE_ENV, raising=False)
+    monkeypatch.setenv(faults.UPLOAD_PAUSE_ENV, "3@1")
+    monkeypatch.setenv("RANK", "1")
+    assert faults.upload_pause_s() == 3.0
+    monkeypatch.setenv("RANK", "0")
+    assert faults.upload_pause_s() == 0.0
