@@ -5,7 +5,8 @@ listing, S3 reads and cache folder), by this module's engine: the prompt, then e
 completion, each padded to exactly `data.block_size` tokens, so block 2i is pair i's
 chosen sequence and block 2i+1 its rejected one. Pairs are never packed: a padded row
 costs the padding, and no pair can attend to another. Only completion tokens (and the EOS
-that ends them) are targets.
+that ends them) are targets. The ids are TRL 1.16's (`PairEncoder`). KTO's unpaired rows
+use the same cache: a row's sequence, then its mismatched (KL) sequence, and a label.
 
 Too long a pair is cut the same way on both sides, so chosen and rejected keep one prompt:
 the prompt loses tokens from the left (its end, next to the answer, matters most) down to
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +36,7 @@ from trainer.data.blocks import BatchPlan, PackedBlocks, StepBatches
 from trainer.data.sources import ScanReport, SourceFile
 from trainer.data.tokenize import Settings, ShardStats, TokenCache, token_dtype
 from trainer.errors import DataError, UserError
-from trainer.objectives.rows import Pair, iter_pairs
+from trainer.objectives.rows import Pair, iter_pairs, iter_unpaired
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +46,11 @@ class PairSettings(Settings):
     """Settings of a pair cache: what changes its tokens besides the rows and tokenizer."""
 
     max_prompt_tokens: int = 512
+    unpaired: bool = False  # KTO's prompt/completion/label rows
 
     def key(self) -> str:
-        return f"pairs|block={self.block_size}|prompt={self.max_prompt_tokens}|" + super().key()
+        kind = "kto" if self.unpaired else "pairs-trl"
+        return f"{kind}|block={self.block_size}|prompt={self.max_prompt_tokens}|" + super().key()
 
 
 def pair_settings(cfg: JobConfig, base: Settings) -> PairSettings:
@@ -55,6 +59,7 @@ def pair_settings(cfg: JobConfig, base: Settings) -> PairSettings:
     return PairSettings(
         **dataclasses.asdict(base) | {"block_size": block},
         max_prompt_tokens=max(1, min(keep, block - 1)),
+        unpaired=cfg.train.objective == "kto",
     )
 
 
@@ -72,51 +77,72 @@ def cut_pair(
 
 
 class PairEncoder:
-    """Pair → (prompt ids, chosen ids, rejected ids). Plain text: the prompt with the
-    tokenizer's special tokens (BOS), each completion without, then EOS. Chat: the prompt
-    rendered with the generation prompt, each completion the rest of the conversation it
-    closes (the template must render the prompt as a prefix of the whole)."""
+    """Pair → (prompt ids, chosen ids, rejected ids), tokenized as TRL 1.16's DPOTrainer
+    does: the prompt alone, and the prompt followed by each completion, each in one piece;
+    the completion starts where the prompt's ids and the whole's ids part (a template may
+    render the prompt alone differently, or tokens merge across the boundary). Plain text:
+    the tokenizer's special tokens (BOS), and EOS appended to each completion. Chat: the
+    prompt rendered with the generation prompt, the whole as the template renders it."""
 
     def __init__(self, tokenizer: Any, settings: Settings):
         self.tok = tokenizer
-        self.eos = tokenizer.eos_token_id if settings.append_eos else None
+        self.eos = tokenizer.eos_token if settings.append_eos else None
         self.template = settings.chat_template or getattr(tokenizer, "chat_template", None)
+        self._warned = False
 
     def encode(self, pair: Pair) -> tuple[list[int], list[int], list[int]]:
-        if not pair.chat:
-            prompt = self.tok.encode(pair.prompt, add_special_tokens=True)
-            texts = [pair.chosen, pair.rejected]
-        else:
-            head = self._apply(pair.prompt, True)
-            texts = []
-            for side in (pair.chosen, pair.rejected):
-                full = self._apply(pair.prompt + side, False)
-                if not full.startswith(head):
-                    raise UserError(
-                        "the chat template does not render the prompt as a prefix of the "
-                        "conversation; set data.chat_template to one that does"
-                    )
-                texts.append(full[len(head) :])
-            prompt = self.tok.encode(head, add_special_tokens=False)
-        chosen, rejected = (self._eos(self.tok.encode(t, add_special_tokens=False)) for t in texts)
+        prompt, (chosen, rejected) = self.split(pair.prompt, (pair.chosen, pair.rejected))
         return prompt, chosen, rejected
 
-    def _eos(self, ids: list[int]) -> list[int]:
-        if self.eos is not None and (not ids or ids[-1] != self.eos):
-            return [*ids, self.eos]
-        return ids
+    def split(self, prompt: Any, completions: tuple[Any, ...]) -> tuple[list[int], list[list[int]]]:
+        """(prompt ids, each completion's ids) for one prompt and its completions."""
+        if isinstance(prompt, str):
+            head = self._text(prompt)
+            wholes = [self._text(prompt + self._with_eos(c)) for c in completions]
+        else:
+            head = self._chat(prompt, True)
+            wholes = [self._chat(prompt + c, False) for c in completions]
+        keep = min(_shared(head, whole) for whole in wholes)
+        if keep < len(head) and not self._warned:
+            self._warned = True
+            log.warning(
+                "the tokenized prompt is not a prefix of prompt + completion (the chat template "
+                "renders it differently alone, or tokens merge across the boundary); the "
+                "completion starts where they part: %r",
+                self.tok.decode(head[keep:]),
+            )
+        return head[:keep], [whole[keep:] for whole in wholes]
 
-    def _apply(self, msgs: Any, gen: bool) -> str:
+    def _with_eos(self, text: str) -> str:
+        if self.eos is not None and not text.endswith(self.eos):
+            return text + self.eos
+        return text
+
+    def _text(self, text: str) -> list[int]:
+        return list(self.tok(text)["input_ids"])
+
+    def _chat(self, msgs: Any, gen: bool) -> list[int]:
         if not self.template:
             raise UserError(
                 "chat rows need a chat template: the tokenizer has none; set data.chat_template"
             )
-        return self.tok.apply_chat_template(
+        out = self.tok.apply_chat_template(
             [{"role": r, "content": c} for r, c in msgs],
             chat_template=self.template,
-            tokenize=False,
+            tokenize=True,
+            return_dict=True,
             add_generation_prompt=gen,
         )
+        return list(out["input_ids"])
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _pad_id(tokenizer: Any) -> int:
@@ -126,14 +152,54 @@ def _pad_id(tokenizer: Any) -> int:
     return 0
 
 
+def _pair_rows(src: SourceFile, enc: PairEncoder, settings: PairSettings, report: ScanReport):
+    """(prompt, chosen, rejected, None, cut) for each pair of `src`, logging the shapes."""
+    shapes: Counter[str] = Counter()
+    for pair in iter_pairs(src, settings.on_bad_line, report, settings.endpoint, settings.region):
+        shapes[pair.shape] += 1
+        prompt, chosen, rejected, cut = cut_pair(
+            *enc.encode(pair), settings.block_size, settings.max_prompt_tokens
+        )
+        yield prompt, chosen, rejected, None, cut
+    log.info(
+        "%s: pairs read as %s",
+        src.uri,
+        ", ".join(f"{shape} ({n})" for shape, n in shapes.most_common()) or "nothing",
+    )
+
+
+def _unpaired_rows(src: SourceFile, enc: PairEncoder, settings: PairSettings, report: ScanReport):
+    """(prompt, completion, KL completion, desirable, cut) for each KTO row of `src`. The
+    KL completion is the previous row's (the first row takes the last's): TRL's
+    mismatched pairs, fixed by file order so a reference can be computed for them once."""
+    rows = [
+        (*enc.split(row.prompt, (row.completion,)), row.desirable)
+        for row in iter_unpaired(
+            src, settings.on_bad_line, report, settings.endpoint, settings.region
+        )
+    ]
+    if len(rows) == 1:
+        log.warning("%s: one KTO row; its KL estimate compares it with itself", src.uri)
+    block = settings.block_size
+    for i, (prompt, (completion,), desirable) in enumerate(rows):
+        prompt, completion, _, cut = cut_pair(
+            prompt, completion, completion, block, settings.max_prompt_tokens
+        )
+        mismatched = rows[i - 1][1][0][: block - len(prompt)]
+        yield prompt, completion, mismatched, desirable, cut
+    log.info("%s: %d KTO rows (prompt, completion, label)", src.uri, len(rows))
+
+
 def tokenize_pairs(
     sources: list[SourceFile], folder: Path, tokenizer: Any, settings: Settings, progress: bool
 ) -> list[ShardStats]:
     """The pair engine for `trainer.data.tokenize.prepare`: one shard per input file, each
-    sequence one block (`.bin` ids, `.mask` targets, `.docs` the block ends)."""
+    sequence one block (`.bin` ids, `.mask` targets, `.docs` the block ends). KTO's rows
+    are a sequence and its KL sequence, with a `.label` byte per row (1: desirable)."""
     assert isinstance(settings, PairSettings)
     enc = PairEncoder(tokenizer, settings)
     dtype, block, pad = token_dtype(tokenizer), settings.block_size, _pad_id(tokenizer)
+    read = _unpaired_rows if settings.unpaired else _pair_rows
     out = []
     for i, src in enumerate(sources):
         stem = f"shard-{i:05d}"
@@ -141,14 +207,11 @@ def tokenize_pairs(
         report = ScanReport()
         ids_rows: list[np.ndarray] = []
         mask_rows: list[np.ndarray] = []
-        for pair in iter_pairs(
-            src, settings.on_bad_line, report, settings.endpoint, settings.region
-        ):
-            prompt, chosen, rejected, cut = cut_pair(
-                *enc.encode(pair), block, settings.max_prompt_tokens
-            )
+        labels: list[int] = []
+        for prompt, first, second, label, cut in read(src, enc, settings, report):
             stats.long_rows += cut
-            for completion in (chosen, rejected):
+            labels.append(int(bool(label)))
+            for completion in (first, second):
                 ids = np.full(block, pad, dtype=dtype)
                 mask = np.zeros(block, dtype=np.uint8)
                 ids[: len(prompt)] = prompt
@@ -161,6 +224,8 @@ def tokenize_pairs(
             np.asarray(ids_rows, dtype=dtype).tobytes() if n else b""
         )
         (folder / f"{stem}.mask").write_bytes(np.asarray(mask_rows).tobytes() if n else b"")
+        if settings.unpaired:
+            (folder / f"{stem}.label").write_bytes(np.asarray(labels, dtype=np.uint8).tobytes())
         ends = np.arange(1, n + 1, dtype=np.int64) * block
         (folder / f"{stem}.docs").write_bytes(ends.tobytes())
         stats.tokens = n * block

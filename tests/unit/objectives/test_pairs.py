@@ -93,7 +93,7 @@ def test_a_long_pair_is_cut_together() -> None:
         ({"prompt": "q", "chosen": "a"}, "missing field 'rejected'"),
         ({"prompt": "q", "chosen": " ", "rejected": "b"}, '"chosen" is empty'),
         ({"prompt": "q", "chosen": "same", "rejected": "same"}, "equals"),
-        ({"prompt": "q", "chosen": "a", "rejected": ["b"]}, "must all be strings or all message"),
+        ({"prompt": "q", "chosen": "a", "rejected": ["b"]}, "must both be strings or both message"),
     ],
 )
 def test_bad_rows_fail_with_file_and_line(tmp_path: Path, row, problem) -> None:
