@@ -123,7 +123,8 @@ def load_model(
 ) -> Any:
     """Load the HF causal LM (fp32 master weights unless the caller asks for the compute
     dtype, e.g. for a frozen adapter base) and grow the embeddings to the tokenizer's size
-    with rows every strategy agrees on."""
+    with rows every strategy agrees on. The loss (train.loss, trainer.objectives.linear_ce)
+    is the strategy's to configure: the model room sits below the objectives."""
     from transformers import AutoModelForCausalLM
 
     impl = attention.for_job(cfg, model_dir).impl
@@ -149,7 +150,4 @@ def load_model(
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    from trainer.objectives import linear_ce
-
-    linear_ce.configure(model, cfg.train.loss, cfg.train.loss_chunk)
     return model

@@ -20,6 +20,7 @@ from trainer.config import JobConfig
 from trainer.errors import CheckpointError
 from trainer.model import adapters
 from trainer.model.loading import load_model
+from trainer.objectives import linear_ce
 from trainer.strategies.base import ModelSource
 from trainer.strategies.common import (
     Evaluating,
@@ -57,6 +58,7 @@ class DDPStrategy(ModelCalls):
         model = load_model(
             source.model_dir, cfg, source.vocab_size, dtype=dtype, quantization=quant
         )
+        linear_ce.configure(model, cfg.train.loss, cfg.train.loss_chunk)
         if adapters.enabled(cfg):
             grew = adapters.grew_vocab(source.model_dir, source.vocab_size)
             model = adapters.apply(model, cfg, grew_vocab=grew)

@@ -49,6 +49,7 @@ from trainer.config import DeepSpeedOptions, JobConfig
 from trainer.errors import CheckpointError, UserError
 from trainer.model import adapters
 from trainer.model.loading import DTYPES, load_model, model_config
+from trainer.objectives import linear_ce
 from trainer.strategies.base import ModelSource, param_groups
 from trainer.strategies.common import (
     Evaluating,
@@ -138,6 +139,7 @@ class DeepSpeedStrategy(ModelCalls):
             # Must stay alive while the model loads: from_pretrained reads it to partition.
             self._hf_ds = HfDeepSpeedConfig(ds)
         model = load_model(source.model_dir, cfg, source.vocab_size)
+        linear_ce.configure(model, cfg.train.loss, cfg.train.loss_chunk)
         self.source_dir = source.model_dir
         self.adapter = adapters.enabled(cfg)
         if self.adapter:
