@@ -15,6 +15,8 @@ import yaml
 
 from tests.support.jobs import ROOT, base_job, write_job
 from tests.support.s3 import S3_KEY, S3_SECRET, WeedServer
+from tests.support.slowest_files import TOP as TOP_FILES
+from tests.support.slowest_files import FileTimes
 
 # Everything the tests start (local Ray clusters, their job drivers and workers, torchrun)
 # imports this checkout's code, not whatever the venv's editable install points at.
@@ -83,6 +85,23 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
+
+
+_FILE_TIMES = FileTimes()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _FILE_TIMES.add(report)
+
+
+@pytest.hookimpl(trylast=True)  # after --durations' list, at the very end
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """The ten slowest files (tests/support/slowest_files.py), in every run's summary."""
+    if hasattr(config, "workerinput") or not _FILE_TIMES.seconds:
+        return  # an xdist worker: the controller prints the whole run's
+    terminalreporter.write_sep("=", f"slowest {TOP_FILES} test files (setup + call + teardown)")
+    for line in _FILE_TIMES.lines(TOP_FILES):
+        terminalreporter.write_line(line)
 
 
 def _shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
