@@ -118,14 +118,27 @@ def check_nf4_shards(cfg: JobConfig, mcfg: dict, src: str) -> None:
 
 
 def check_data_file(
-    path: str, what: str, strict: bool, on_bad_line: str, report: Report, objective: str = "sft"
+    path: str,
+    what: str,
+    strict: bool,
+    on_bad_line: str,
+    report: Report,
+    objective: str = "sft",
+    columns: dict[str, str] | None = None,
 ) -> None:
     """Existence, and the first rows' shape, so a wrong file fails in a second. Every row
     of every file is checked when the data is tokenized, still before workers start.
-    A preference objective's rows are prompt/chosen/rejected pairs."""
-    from trainer.data.sources import list_local, sample_check
+    A preference objective's rows are prompt/chosen/rejected pairs. The note says which
+    shape the rows were read as (and a missing data.columns column fails here)."""
+    from trainer.data.sources import list_local
 
-    if objective != "sft":
+    if objective == "sft":
+        from functools import partial
+
+        from trainer.data.shapes import sample_check as sft_check
+
+        sample_check = partial(sft_check, columns=columns)
+    else:
         from trainer.objectives.rows import sample_check
 
     if not strict and not path.startswith("s3://"):
@@ -202,7 +215,13 @@ def run_all(cfg: JobConfig, strict: bool = True) -> Report:
             value = cfg.data.train_file if which == "train" else cfg.data.eval_file
             what = f"data.{which}_file" + (f" ({src.name})" if isinstance(value, list) else "")
             check_data_file(
-                src.path, what, strict, cfg.data.on_bad_line, report, cfg.train.objective
+                src.path,
+                what,
+                strict,
+                cfg.data.on_bad_line,
+                report,
+                cfg.train.objective,
+                cfg.data.columns_for(src),
             )
     check_strategy(cfg, strict, report)
     check_storage(cfg, report)

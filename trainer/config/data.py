@@ -8,6 +8,18 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from trainer.config.base import _Section
+from trainer.data.shapes import check_column_targets
+
+_COLUMNS = (
+    "The file's column names for a shape's fields, {field: column} (e.g. {prompt: question, "
+    "completion: answer}, {chosen: response_j, rejected: response_k})"
+)
+
+
+def _check_columns(value: dict[str, str] | None) -> dict[str, str] | None:
+    if value:
+        check_column_targets(value)
+    return value
 
 
 class SourceSpec(_Section):
@@ -18,6 +30,14 @@ class SourceSpec(_Section):
     name: str | None = Field(
         default=None, description="Name in metrics (tokens_seen/<name>, eval_loss/<name>)."
     )
+    columns: dict[str, str] | None = Field(
+        default=None, description=_COLUMNS + " for this source; null = data.columns."
+    )
+
+    @field_validator("columns")
+    @classmethod
+    def _column_targets(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return _check_columns(value)
 
 
 def _source_name(spec: SourceSpec) -> str:
@@ -37,8 +57,10 @@ def _spec(value: str | SourceSpec) -> SourceSpec:
 class DataSection(_Section):
     train_file: str | list[str | SourceSpec] = Field(
         description="A file, folder, glob or s3:// prefix of .jsonl, .jsonl.gz, .jsonl.zst or "
-        '.parquet files; rows are {"text"} / {"input"}, {"prompt", "completion"} or '
-        '{"messages": [{"role", "content"}, ...]}. Files are read in sorted path order. '
+        '.parquet files; rows are {"text"}, {"input"} (alone), {"prompt", "completion"}, '
+        'Alpaca {"instruction", "input", "output"}, {"messages": [{"role", "content"}, ...]} '
+        '(tool calls and a "tools" column too) or ShareGPT {"conversations": [{"from", '
+        '"value"}]}, one shape per source (docs/data.md). Files are read in sorted path order. '
         "Or a list of such sources, each a path or {path, weight, name}: every block of a "
         "global batch is drawn from source i with probability weight_i / sum of weights."
     )
@@ -66,6 +88,20 @@ class DataSection(_Section):
         description="Jinja chat template (a file path or the text) for prompt/completion and "
         "chat rows; null = the tokenizer's own.",
     )
+    columns: dict[str, str] | None = Field(
+        default=None,
+        description=_COLUMNS + ", for every source without columns of its own. A missing "
+        "column is an error at the row (the laptop's validation reads the first rows).",
+    )
+
+    @field_validator("columns")
+    @classmethod
+    def _column_targets(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return _check_columns(value)
+
+    def columns_for(self, source: SourceSpec) -> dict[str, str]:
+        """A source's column mapping: its own, else data.columns."""
+        return dict(source.columns if source.columns is not None else self.columns or {})
 
     @field_validator("train_file", "eval_file")
     @classmethod

@@ -1,5 +1,5 @@
 """Where the data rows come from: files, folders, globs and s3:// prefixes, in jsonl,
-jsonl.gz, jsonl.zst or parquet, and what each row means (text, prompt/completion, chat).
+jsonl.gz, jsonl.zst or parquet. What each row means is `trainer.data.shapes`.
 
 This module imports only the standard library at the top, because the laptop's
 preflight samples local jsonl(.gz) files through it. pyarrow is imported inside the
@@ -20,12 +20,7 @@ from typing import Any
 from trainer.errors import DataError, UserError
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
-TEXT_KEYS = ("text", "input")
 _GLOB = set("*?[")
-_SHAPE = (
-    'expected an object with a string "text" or "input" field, string "prompt" and '
-    '"completion" fields, or a "messages" list'
-)
 
 
 @dataclass(frozen=True)
@@ -50,11 +45,16 @@ class SourceFile:
 
 @dataclass(frozen=True)
 class Example:
-    """A row's meaning: plain text (every token in the loss), or chat messages, where
-    only the assistant turns are completions."""
+    """A row's meaning: plain text (every token in the loss), or chat messages as a chat
+    template takes them (dicts with role and content, and tool_calls), where only the
+    assistant turns are completions; `tools` goes to the template beside them.
+    `fallback` is (prompt, completion) as plain text, for a tokenizer without a chat
+    template (an Alpaca row under the Alpaca project's own prompt)."""
 
     text: str | None = None
-    messages: tuple[tuple[str, str], ...] = ()
+    messages: tuple[dict[str, Any], ...] = ()
+    tools: tuple[dict[str, Any], ...] | None = None
+    fallback: tuple[str, str] | None = None
 
 
 @dataclass
@@ -62,6 +62,8 @@ class ScanReport:
     documents: int = 0
     skipped: int = 0
     first_skipped: list[str] = field(default_factory=list)
+    shape: str | None = None  # the shape the source's rows were read as (trainer.data.shapes)
+    extra: list[str] = field(default_factory=list)  # fields no shape reads, listed once
 
 
 def load_special_tokens(path: str | Path) -> list[str]:
@@ -217,49 +219,6 @@ def _iter_parquet(
             yield row, obj, None
 
 
-def parse_row(obj: Any) -> tuple[Example | None, str | None]:
-    """A row's meaning, or why it has none."""
-    if not isinstance(obj, dict):
-        return None, _SHAPE
-    for key in TEXT_KEYS:
-        value = obj.get(key)
-        if isinstance(value, str):
-            return Example(text=value), None
-    if "messages" in obj:
-        msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            return None, '"messages" must be a non-empty list of {"role", "content"}'
-        out = []
-        for i, m in enumerate(msgs):
-            if not (
-                isinstance(m, dict)
-                and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)
-            ):
-                return None, f'messages[{i}]: expected {{"role": str, "content": str}}'
-            out.append((m["role"], m["content"]))
-        if not any(role == "assistant" for role, _ in out):
-            return None, '"messages" has no assistant turn to learn from'
-        return Example(messages=tuple(out)), None
-    if "prompt" in obj or "completion" in obj:
-        p, c = obj.get("prompt"), obj.get("completion")
-        if not isinstance(p, str) or not isinstance(c, str):
-            return None, '"prompt" and "completion" must both be strings'
-        return Example(messages=(("user", p), ("assistant", c))), None
-    return None, _SHAPE
-
-
-def iter_examples(
-    src: SourceFile,
-    on_bad_line: str,
-    report: ScanReport,
-    endpoint: str | None = None,
-    region: str | None = None,
-) -> Iterator[Example]:
-    """Each row's Example (see `iter_parsed`)."""
-    return iter_parsed(src, on_bad_line, report, parse_row, endpoint, region)
-
-
 def iter_parsed(
     src: SourceFile,
     on_bad_line: str,
@@ -286,24 +245,3 @@ def iter_parsed(
             continue
         report.documents += 1
         yield item
-
-
-def sample_check(spec: str, what: str, on_bad_line: str, limit: int) -> str | None:
-    """The laptop's quick look: the first `limit` rows of the first local jsonl(.gz) file.
-    Returns a note when the data can only be checked on the cluster (S3, zstd, parquet:
-    those readers need pyarrow, which the laptop path does not import)."""
-    if spec.startswith("s3://"):
-        return f"{what} {spec}: S3 data is listed and checked on the cluster"
-    files = list_local(spec)
-    first = files[0]
-    if first.fmt not in (".jsonl", ".jsonl.gz"):
-        return f"{what} {first.uri}: {first.fmt} rows are checked on the cluster"
-    scan = ScanReport()
-    seen = 0
-    for _ in iter_examples(first, on_bad_line, scan):
-        seen += 1
-        if seen >= limit:
-            break
-    if seen == 0 and scan.skipped == 0 and len(files) == 1:
-        raise DataError(f"{what} {first.uri}: the file has no documents")
-    return None

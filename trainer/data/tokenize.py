@@ -12,6 +12,7 @@ the cluster: `trainer.data.cluster`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -27,15 +28,16 @@ from typing import Any
 
 import numpy as np
 
-from trainer.data.sources import Example, ScanReport, SourceFile, iter_examples, list_sources
+from trainer.data.encode import CACHE_VERSION, Encoder, Settings
+from trainer.data.encode import read_chat_template as read_chat_template
+from trainer.data.shapes import iter_examples
+from trainer.data.sources import Example, ScanReport, SourceFile, list_sources
 from trainer.data.sources import load_special_tokens as load_special_tokens
 from trainer.errors import DataError, UserError
 
 log = logging.getLogger(__name__)
 
 
-CACHE_VERSION = 3
-"""3: every shard has a `.docs` array of document ends (document attention needs them)."""
 IGNORE = -100  # the label Hugging Face's loss skips
 _BATCH_DOCS = 2048
 _BATCH_CHARS = 1 << 20
@@ -45,41 +47,6 @@ text, whether a corpus has short rows or whole books, and not by the size of its
 
 
 # ---------------------------------------------------------------- settings and cache key
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Everything besides the input bytes and the tokenizer that changes the tokens."""
-
-    append_eos: bool = True
-    on_bad_line: str = "error"
-    loss_on: str = "completion"
-    chat_template: str | None = None  # the template's text, not its path
-    long_rows: str = "split"
-    block_size: int = 1024
-    endpoint: str | None = None
-    region: str | None = None
-
-    def key(self) -> str:
-        # block_size only changes the tokens when long rows are dropped.
-        block = self.block_size if self.long_rows == "drop" else 0
-        tpl = hashlib.sha256((self.chat_template or "").encode()).hexdigest()[:16]
-        return (
-            f"eos={self.append_eos}|bad={self.on_bad_line}|loss={self.loss_on}|tpl={tpl}"
-            f"|long={self.long_rows}:{block}|v{CACHE_VERSION}"
-        )
-
-
-def read_chat_template(value: str | None) -> str | None:
-    """`data.chat_template` is a path to a Jinja file, or the template itself."""
-    if value is None:
-        return None
-    if "{" not in value:
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise UserError(f"data.chat_template {value}: file not found (or give the Jinja text)")
-        return path.read_text()
-    return value
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -195,82 +162,6 @@ def cache_dir_for(spec: str, sources: list[SourceFile], cache_root: str | None, 
     return root / f"{name}-{key}"
 
 
-# ---------------------------------------------------------------- encoding rows
-
-
-class Encoder:
-    """Rows → (token ids, loss mask). Text rows are all loss. Chat rows (and prompt /
-    completion pairs, which are a one-turn chat) are rendered with the chat template; with
-    loss_on=completion only the assistant turns (and the closing EOS) are in the loss."""
-
-    def __init__(self, tokenizer: Any, settings: Settings):
-        self.tok = tokenizer
-        self.backend = tokenizer.backend_tokenizer
-        self.s = settings
-        self.eos = tokenizer.eos_token_id if settings.append_eos else None
-        self.template = settings.chat_template or getattr(tokenizer, "chat_template", None)
-
-    def encode(self, examples: list[Example]) -> list[tuple[list[int], np.ndarray | None]]:
-        out: list[tuple[list[int], np.ndarray | None]] = [([], None)] * len(examples)
-        texts = [(i, e.text) for i, e in enumerate(examples) if e.text is not None]
-        if texts:
-            encs = self.backend.encode_batch_fast([t for _, t in texts], add_special_tokens=True)
-            for (i, _), enc in zip(texts, encs, strict=True):
-                out[i] = (self._eos(enc.ids), None)
-        chats = [(i, e) for i, e in enumerate(examples) if e.text is None]
-        if chats:
-            rendered = [self._render(e) for _, e in chats]
-            encs = self.backend.encode_batch([r[0] for r in rendered], add_special_tokens=False)
-            for (i, _), (_, spans), enc in zip(chats, rendered, encs, strict=True):
-                ids = self._eos(enc.ids)
-                if self.s.loss_on == "all":
-                    out[i] = (ids, None)
-                    continue
-                mask = np.zeros(len(ids), dtype=np.uint8)
-                for j, (start, _end) in enumerate(enc.offsets):
-                    mask[j] = any(a <= start < b for a, b in spans)
-                if len(ids) > len(enc.ids):
-                    mask[-1] = 1  # the EOS we add closes the answer: the model learns to stop
-                out[i] = (ids, mask)
-        return out
-
-    def _eos(self, ids: list[int]) -> list[int]:
-        if self.eos is not None and (not ids or ids[-1] != self.eos):
-            return [*ids, self.eos]
-        return ids
-
-    def _render(self, example: Example) -> tuple[str, list[tuple[int, int]]]:
-        """The whole conversation, and the character spans of its assistant turns: a turn's
-        span runs from the end of the prompt that asks for it (the conversation so far plus
-        the generation prompt) to the end of the conversation rendered through it."""
-        msgs = [{"role": r, "content": c} for r, c in example.messages]
-        full = self._apply(msgs, False)
-        spans = []
-        for k, (role, _) in enumerate(example.messages):
-            if role != "assistant":
-                continue
-            before = self._apply(msgs[:k], True) if k else ""
-            through = self._apply(msgs[: k + 1], False)
-            if not (full.startswith(before) and full.startswith(through)):
-                raise UserError(
-                    "the chat template does not render a conversation's turns as prefixes of "
-                    "the whole; set data.chat_template to one that does, or data.loss_on: all"
-                )
-            spans.append((len(before), len(through)))
-        return full, spans
-
-    def _apply(self, msgs: list[dict[str, str]], gen: bool) -> str:
-        if not msgs:
-            return ""
-        if not self.template:
-            raise UserError(
-                "chat rows need a chat template: the tokenizer has none; set data.chat_template"
-            )
-        return self.tok.apply_chat_template(
-            msgs, chat_template=self.template, tokenize=False, add_generation_prompt=gen
-        )
-
-
 # ---------------------------------------------------------------- shards
 
 
@@ -287,6 +178,9 @@ class ShardStats:
     long_rows: int = 0
     dropped_rows: int = 0
     node: str = ""  # the Ray node that wrote it (cluster tokenizing)
+    shape: str | None = None  # the rows' shape (trainer.data.shapes)
+    extra: list[str] = field(default_factory=list)  # fields no shape reads
+    trained: int = 0  # tokens in the loss
 
 
 def token_dtype(tokenizer: Any) -> Any:
@@ -336,7 +230,12 @@ def tokenize_file(
         chars = chats = 0
         try:
             for example in iter_examples(
-                src, settings.on_bad_line, report, settings.endpoint, settings.region
+                src,
+                settings.on_bad_line,
+                report,
+                settings.endpoint,
+                settings.region,
+                dict(settings.columns),
             ):
                 batch.append(example)
                 chars += _chars(example)
@@ -352,12 +251,12 @@ def tokenize_file(
             writer.close()
     stats = writer.stats
     stats.documents, stats.skipped, stats.chats = report.documents, report.skipped, chats
-    stats.first_skipped = report.first_skipped
+    stats.first_skipped, stats.shape, stats.extra = report.first_skipped, report.shape, report.extra
     return stats
 
 
 def _chars(example: Example) -> int:
-    return len(example.text or "") + sum(len(c) for _, c in example.messages)
+    return len(example.text or "") + sum(len(str(m.get("content") or "")) for m in example.messages)
 
 
 class _ShardWriter:
@@ -392,6 +291,7 @@ class _ShardWriter:
             flat = np.concatenate([np.asarray(ids, dtype=dtype) for ids, _ in kept])
             self.ids_out.write(flat.tobytes())
             stats.tokens += int(flat.size)
+            stats.trained += int(flat.size)
             return
         if not stats.masked:  # the first masked row: everything before is in the loss
             stats.masked = True
@@ -400,8 +300,10 @@ class _ShardWriter:
         masks = [np.ones(len(i), np.uint8) if m is None else m for i, m in kept]
         flat = np.concatenate([np.asarray(ids, dtype=dtype) for ids, _ in kept])
         self.ids_out.write(flat.tobytes())
-        self.mask_out.write(np.concatenate(masks).tobytes())
+        joined = np.concatenate(masks)
+        self.mask_out.write(joined.tobytes())
         stats.tokens += int(flat.size)
+        stats.trained += int(joined.sum())
 
     def close(self) -> None:
         self.ids_out.close()
@@ -470,6 +372,7 @@ def summarize(sources: list[SourceFile], stats: list[ShardStats], dtype: Any) ->
         "sources": [s.uri for s in sources],
         "dtype": np.dtype(dtype).name,
         "num_tokens": sum(s.tokens for s in stats),
+        "trained_tokens": sum(s.trained for s in stats),
         "documents": sum(s.documents for s in stats),
         "chat_documents": sum(s.chats for s in stats),
         "skipped_lines": sum(s.skipped for s in stats),
@@ -483,6 +386,12 @@ def summarize(sources: list[SourceFile], stats: list[ShardStats], dtype: Any) ->
                 "tokens": s.tokens,
                 "masked": s.masked,
                 "node": s.node,
+                "documents": s.documents,
+                "trained": s.trained,
+                "long_rows": s.long_rows,
+                "dropped_rows": s.dropped_rows,
+                "shape": s.shape,
+                "extra": s.extra,
             }
             for s in stats
         ],
@@ -506,6 +415,17 @@ def _report(spec: str, meta: dict[str, Any], settings: Settings, out: Path) -> N
             settings.block_size,
             verb,
         )
+    for shape in sorted({s["shape"] for s in meta["shards"] if s.get("shape")}):
+        files = [s for s in meta["shards"] if s.get("shape") == shape]
+        extra = sorted({f for s in files for f in s.get("extra") or []})
+        log.info(
+            "%s: %d files read as %s%s%s",
+            spec,
+            len(files),
+            shape,
+            f" (columns {dict(settings.columns)})" if settings.columns else "",
+            f"; extra fields ignored: {', '.join(extra)}" if extra else "",
+        )
     log.info(
         "tokenized %s: %d files, %d documents, %d tokens → %s",
         spec,
@@ -526,12 +446,16 @@ def prepare(
     progress: bool = True,
     settings: Settings | None = None,
     tokenize_shards: Callable[..., list[ShardStats]] | None = None,
+    columns: dict[str, str] | None = None,
 ) -> TokenCache:
     """Tokenize the files `data` names (a file, folder, glob or s3:// prefix) into a cache,
     or reuse a finished one. The cache appears atomically. `tokenize_shards` swaps the
-    local loop for another engine (trainer.data.cluster: Ray Data across the cluster)."""
+    local loop for another engine (trainer.data.cluster: Ray Data across the cluster).
+    `columns` maps the files' column names to a shape's fields (data.columns)."""
     spec = str(data)
     settings = settings or Settings(append_eos=append_eos, on_bad_line=on_bad_line)
+    if columns:  # this source's data.columns
+        settings = dataclasses.replace(settings, columns=tuple(sorted(columns.items())))
     sources = list_sources(spec, settings.endpoint, settings.region)
     out = cache_dir_for(spec, sources, cache_root, cache_key(sources, tokenizer, settings))
     if (out / "manifest.json").exists():

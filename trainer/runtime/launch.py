@@ -45,10 +45,14 @@ def prepare_inputs(cfg: JobConfig, progress: bool = True) -> Prepared:
         from trainer.objectives.pairs import data_options
 
         common.update(data_options(cfg, settings))
+
     # One cache per source, keyed by that source's own inputs: adding a source to a mix
     # does not tokenize the others again.
-    train = [prepare(src.path, tokenizer, **common) for src in cfg.data.sources("train")]
-    evals = [prepare(src.path, tokenizer, **common) for src in cfg.data.sources("eval")]
+    def cache(src: Any) -> Any:
+        return prepare(src.path, tokenizer, columns=cfg.data.columns_for(src), **common)
+
+    train = [cache(src) for src in cfg.data.sources("train")]
+    evals = [cache(src) for src in cfg.data.sources("eval")]
     # A mix draws blocks of each source as often as its weight says, so one block is
     # enough there; a single source must fill a global batch.
     need = cfg.global_batch if len(train) == 1 else 1

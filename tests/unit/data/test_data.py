@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from trainer.data.blocks import BatchPlan, PackedBlocks, eval_indices
-from trainer.data.sources import ScanReport, iter_examples, list_sources
+from trainer.data.shapes import iter_examples
+from trainer.data.sources import ScanReport, list_sources
 from trainer.data.tokenize import TokenizerFiles, load_special_tokens, prepare
 from trainer.errors import DataError
 from trainer.model.loading import load_tokenizer
@@ -54,7 +55,7 @@ def test_malformed_line_error_and_skip(tmp_path, tokenizer):
     meta = cache.meta
     assert (meta["documents"], meta["skipped_lines"]) == (2, 2)
     assert meta["first_skipped"][0].startswith(f"{data}:2:")
-    assert meta["first_skipped"][1].startswith(f"{data}:3: expected an object with a string")
+    assert meta["first_skipped"][1].startswith(f'{data}:3: "text" must be a string')
 
 
 def test_iter_examples_counts(tmp_path):
