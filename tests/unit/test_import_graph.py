@@ -1,0 +1,198 @@
+"""The import graph as DESIGN.md draws it, kept by tests rather than by review.
+
+- No import circles anywhere in trainer/ or tools/: no two modules import each other,
+  directly or around a loop, function-level and TYPE_CHECKING imports included (grimp,
+  import-linter's own graph library, reads every import statement in a file).
+- docs/architecture.md draws the layers as they are: its table of trainer's packages lists
+  what each imports today (an import of a package drawn above it marked ↑), and its table
+  per layers contract in pyproject.toml lists the contract's layers, top first. A new
+  package, module or import between packages fails here until the page says so.
+
+The layers contracts themselves (a module importing from a layer above its own) are checked
+by import-linter, in tests/unit/test_import_rooms.py.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Iterable
+from pathlib import Path
+
+import grimp
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "architecture.md"
+ROOTS = ("trainer", "tools")
+PACKAGES_HEADING = "### trainer/, package by package"
+
+
+@pytest.fixture(scope="module")
+def graph() -> grimp.ImportGraph:
+    return grimp.build_graph(*ROOTS, cache_dir=None)
+
+
+def import_cycles(graph: grimp.ImportGraph, roots: Iterable[str] = ROOTS) -> list[list[str]]:
+    """Every set of modules that import each other around a loop (strongly connected
+    components of two or more), each sorted; iterative Tarjan, so a deep chain of imports
+    cannot hit the recursion limit."""
+    inside = sorted(m for m in graph.modules if m.partition(".")[0] in set(roots))
+    edges = {
+        m: sorted(x for x in graph.find_modules_directly_imported_by(m) if x in set(inside))
+        for m in inside
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in inside:
+        if start in index:
+            continue
+        work = [(start, 0)]
+        while work:
+            node, i = work.pop()
+            if i == 0:
+                index[node] = low[node] = len(index)
+                stack.append(node)
+                on_stack.add(node)
+            children = edges[node]
+            if i < len(children):
+                work.append((node, i + 1))
+                child = children[i]
+                if child not in index:
+                    work.append((child, 0))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    component.append(m)
+                    if m == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+            if work:  # back in the parent: carry the child's low link up
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+    return sorted(found)
+
+
+def _describe(graph: grimp.ImportGraph, cycle: list[str]) -> str:
+    inner = [
+        f"{a} -> {b}"
+        for a in cycle
+        for b in sorted(graph.find_modules_directly_imported_by(a))
+        if b in cycle
+    ]
+    return "circle: " + "; ".join(inner)
+
+
+def test_no_import_cycles_in_trainer_or_tools(graph):
+    found = import_cycles(graph)
+    assert found == [], (
+        "modules import each other (move what both need down into the lower one, or into a "
+        "small module of its own):\n" + "\n".join(_describe(graph, c) for c in found)
+    )
+
+
+def test_the_cycle_finder_finds_a_circle_around_three_modules():
+    """The finder itself, on a graph with a known loop (a -> b -> c -> a) beside a chain."""
+    g = grimp.ImportGraph()
+    for m in ("p", "p.a", "p.b", "p.c", "p.d", "p.e"):
+        g.add_module(m)
+    for a, b in (("p.a", "p.b"), ("p.b", "p.c"), ("p.c", "p.a"), ("p.d", "p.e"), ("p.c", "p.d")):
+        g.add_import(importer=a, imported=b)
+    assert import_cycles(g, ["p"]) == [["p.a", "p.b", "p.c"]]
+    g.remove_import(importer="p.c", imported="p.a")
+    assert import_cycles(g, ["p"]) == []
+
+
+# ---------------------------------------------------------------- docs/architecture.md
+
+
+def _tables_under(heading: str) -> list[list[str]]:
+    """The table rows (cells stripped, the header and its rule dropped) after `heading`,
+    up to the next heading."""
+    lines = PAGE.read_text().splitlines()
+    assert heading in lines, f"{PAGE.name}: no heading {heading!r}"
+    rows: list[list[str]] = []
+    for line in lines[lines.index(heading) + 1 :]:
+        if line.startswith("#"):
+            break
+        if line.startswith("|"):
+            cells = re.split(r"(?<!\\)\|", line.strip().strip("|"))  # \| is a pipe in a cell
+            rows.append([c.strip() for c in cells])
+    return rows[2:]  # the header row and the |---| rule
+
+
+def _names(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def _package_imports(graph: grimp.ImportGraph) -> dict[str, set[str]]:
+    """Each child of trainer (a package or a top-level module) and the children it
+    imports, any of its modules counting."""
+    out = {}
+    for child in graph.find_children("trainer"):
+        mods = {child} | graph.find_descendants(child)
+        imported = {
+            ".".join(x.split(".")[:2])
+            for m in mods
+            for x in graph.find_modules_directly_imported_by(m)
+            if x.startswith("trainer.")
+        }
+        out[child.split(".")[1]] = {x.split(".")[1] for x in imported} - {child.split(".")[1]}
+    return out
+
+
+def test_the_architecture_page_lists_every_package_and_what_it_imports(graph):
+    rows = _tables_under(PACKAGES_HEADING)
+    order = [_names(r[0])[0] for r in rows]
+    real = _package_imports(graph)
+    assert sorted(order) == sorted(real), (
+        f"{PAGE.name} '{PACKAGES_HEADING}': rows for {sorted(set(real) - set(order))} missing, "
+        f"{sorted(set(order) - set(real))} no longer in trainer/"
+    )
+    for row in rows:
+        name = _names(row[0])[0]
+        above = set(order[: order.index(name)])
+        drawn = row[2].split()
+        want = sorted(f"`{x}`" for x in real[name] - above) + sorted(
+            f"↑`{x}`" for x in real[name] & above
+        )
+        assert drawn == want or (drawn == ["nothing"] and not want), (
+            f"{PAGE.name}: the row of `{name}` says it imports {' '.join(drawn)}; "
+            f"the code imports {' '.join(want) or 'nothing'} (↑: a package drawn above it)"
+        )
+        assert row[1], f"{PAGE.name}: the row of `{name}` has no role"
+
+
+def _layers_contracts() -> list[dict]:
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    return [c for c in conf["contracts"] if c["type"] == "layers"]
+
+
+def test_the_architecture_page_draws_each_layers_contract():
+    contracts = _layers_contracts()
+    assert {c["id"] for c in contracts} >= {"planner-layers", "model-layers", "strategies-layers"}
+    for c in contracts:
+        (container,) = c["containers"]
+        heading = f"### `{container}` (contract `{c['id']}`)"
+        rows = _tables_under(heading)
+        drawn = [sorted(_names(r[0])) for r in rows]
+        want = [sorted(m.strip() for m in layer.split("|")) for layer in c["layers"]]
+        assert drawn == want, (
+            f"{PAGE.name} {heading}: layers drawn {drawn}, the contract's are {want}"
+        )
+        assert all(r[1] for r in rows), f"{PAGE.name} {heading}: a layer has no role"
+
+
+if __name__ == "__main__":  # what the page's package table should say, to paste
+    g = grimp.build_graph(*ROOTS, cache_dir=None)
+    for name, imports in sorted(_package_imports(g).items()):
+        print(f"{name}: {' '.join(sorted(imports))}")
