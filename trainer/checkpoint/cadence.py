@@ -33,6 +33,12 @@ The rule (docs/checkpoints.md):
 Pure Python (no torch): the planner and its simulator (`trainer.planner.faults_sim`) use
 the same rule on a laptop. Ranks agree on the intervals through the step's all-reduce
 (`ask`/`agreed`), so every rank saves the same steps.
+
+Why one module of about 700 lines: it is one idea, the rule above, in the order it is
+applied (the formulas, the failure rates they read, the decision, the run's component
+that applies it each step, the setup that seeds it from the journal). The planner's
+simulator imports the same names, so a change to the rule changes one file and both the
+run and the plan move with it; split by section, each part would be meaningless alone.
 """
 
 from __future__ import annotations
