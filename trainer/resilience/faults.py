@@ -47,6 +47,13 @@ SLOW_STORAGE_ENV = "RAYLIFT_FAULT_SLOW_STORAGE"
 SECONDS more between its data files and its manifests: a storage slowdown a test switches
 on and off in the middle of a run (the cadence's write floor must lengthen the storage
 interval)."""
+MIN_STEP_ENV = "RAYLIFT_FAULT_MIN_STEP_S"
+"""SECONDS:PATH: until the file PATH exists, every training step takes at least SECONDS
+(the loop's per-step hold pads it, outside the step's phases). A test that must see
+something happen before the run's last step (the cadence's write floor under slow storage)
+keeps a fast machine's run that long, then lets it finish at full speed: its schedule is
+then judged in steps and journal records, whatever the machine's speed. A step already
+slower than SECONDS is not touched."""
 KILL_AFTER_STEP_ENV = "RAYLIFT_FAULT_KILL_AFTER_STEP"
 """N: the first attempt's last rank SIGKILLs itself once every rank has finished step N."""
 KILL_AFTER_SNAPSHOT_ENV = "RAYLIFT_FAULT_KILL_AFTER_SNAPSHOT"
@@ -62,6 +69,7 @@ train.log_every: 1."""
 WORKER_ENV = (
     UPLOAD_PAUSE_ENV,
     SLOW_STORAGE_ENV,
+    MIN_STEP_ENV,
     KILL_AFTER_STEP_ENV,
     KILL_SCHEDULE_ENV,
     HOLD_ENV,
@@ -83,8 +91,31 @@ def _hold_spec(env: str = HOLD_ENV) -> tuple[int, Path] | None:
     return int(step), Path(path)
 
 
+_last_step_end: float | None = None
+
+
+def min_step(clock: Callable[[], float] = time.monotonic) -> float:
+    """RAYLIFT_FAULT_MIN_STEP_S: pad this step to the drill's minimum (until its release
+    file exists), counting from the previous call; returns the seconds slept."""
+    global _last_step_end
+    seconds, _, path = os.environ.get(MIN_STEP_ENV, "").partition(":")
+    now = clock()
+    last, _last_step_end = _last_step_end, now
+    if not seconds or last is None or (path and Path(path).exists()):
+        return 0.0
+    pad = float(seconds) - (now - last)
+    if pad <= 0:
+        return 0.0
+    time.sleep(pad)
+    _last_step_end = clock()
+    return pad
+
+
 def hold(step: int, what: str, rank: int, env: str = HOLD_ENV) -> None:
-    """Wait for the release file if the drill holds `step`; `what` is upload or train."""
+    """Wait for the release file if the drill holds `step`; `what` is upload or train
+    (after each training step, where RAYLIFT_FAULT_MIN_STEP_S pads the step too)."""
+    if what == "train" and env == HOLD_ENV:
+        min_step()
     spec = _hold_spec(env)
     if spec is None or spec[0] != step:
         return
