@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from trainer.config.base import _Section
 
@@ -21,6 +21,12 @@ BUILTIN_REWARDS = ("math_answer", "format_regex", "length_target")
 
 RL_BETA = {"grpo": 0.0, "rloo": 0.05}
 """beta when train.rl.beta is unset: GRPOConfig's 0.0 (no reference), RLOOConfig's 0.05."""
+
+BUILTIN_OPTIONS = {
+    "math_answer": ("column",),
+    "format_regex": ("pattern",),
+    "length_target": ("target", "unit"),
+}
 
 _PATH_FUNCTION = re.compile(r"^(?P<path>[^:]+\.py):(?P<name>[A-Za-z_][A-Za-z0-9_]*)$")
 
@@ -34,8 +40,9 @@ class RewardSpec(_Section):
     weight: float = Field(default=1.0, description="This reward's weight in the summed reward.")
     options: dict[str, Any] = Field(
         default_factory=dict,
-        description="Keyword options of a built-in: math_answer {column: answer}; "
-        "format_regex {pattern}; length_target {target, column?} (docs: rl).",
+        description="Keyword options of a built-in: math_answer {column: answer} (the "
+        "reference answer's column); format_regex {pattern}; length_target {target, unit: "
+        "tokens | chars} (docs: rl).",
     )
 
     @field_validator("function")
@@ -47,6 +54,32 @@ class RewardSpec(_Section):
             f"{v!r} is neither path/to/file.py:function_name nor a built-in reward "
             f"({', '.join(BUILTIN_REWARDS)})"
         )
+
+    @model_validator(mode="after")
+    def _options(self) -> RewardSpec:
+        """A built-in's options are checked here, on the laptop; a user's function takes
+        none (its settings live in its file)."""
+        allowed = BUILTIN_OPTIONS.get(self.function, ())
+        unknown = sorted(set(self.options) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"options {unknown} are not options of {self.function} (it takes "
+                f"{list(allowed) or 'none'})"
+            )
+        if self.function == "format_regex":
+            try:
+                re.compile(str(self.options.get("pattern", "")))
+            except re.error as e:
+                raise ValueError(f"format_regex: options.pattern is not a regex ({e})") from e
+            if not self.options.get("pattern"):
+                raise ValueError("format_regex needs options.pattern, e.g. '^<think>.*</think>'")
+        if self.function == "length_target":
+            target = self.options.get("target")
+            if not isinstance(target, int) or target < 1:
+                raise ValueError("length_target needs options.target, an integer >= 1")
+            if self.options.get("unit", "tokens") not in ("tokens", "chars"):
+                raise ValueError("length_target: options.unit is tokens or chars")
+        return self
 
     @property
     def name(self) -> str:

@@ -62,7 +62,7 @@ def test_rewards_name_a_file_function_or_a_builtin() -> None:
             "rl": {
                 "rewards": [
                     {"function": "r/my.py:score", "weight": 0.5},
-                    {"function": "format_regex"},
+                    {"function": "format_regex", "options": {"pattern": "x"}},
                 ]
             }
         }
