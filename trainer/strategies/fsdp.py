@@ -1,12 +1,12 @@
 """FSDP2 over the dp dim of a (dp, pp, tp) device mesh, with tensor and pipeline
 parallelism from trainer.parallel when tp or pp is above 1.
 
-The model is built as a skeleton (parameters on the meta device, real buffers), cut to
-this rank's pipeline stage(s), split over tp, sharded over dp, materialised, and only then
-filled from the safetensors files: every rank memory-maps the checkpoint and copies in
-just its shards, so no rank ever holds the whole model. FSDP does not broadcast initial
-weights the way DDP does, so the weights every rank builds must be equal: the grown
-embedding rows come from a seeded generator (trainer.model.loading).
+The model is built (trainer.strategies.fsdp_build) as a skeleton (parameters on the meta
+device, real buffers), cut to this rank's pipeline stage(s), split over tp, sharded over
+dp, materialised, and only then filled from the safetensors files: every rank memory-maps
+the checkpoint and copies in just its shards, so no rank ever holds the whole model. FSDP
+does not broadcast initial weights the way DDP does, so the weights every rank builds must
+be equal: the grown embedding rows come from a seeded generator (trainer.model.loading).
 
 With an adapter (tp = pp = 1), PEFT wraps the skeleton on the meta device; the adapters'
 initial values come from trainer.model.adapters (the same on every rank and strategy),
@@ -38,19 +38,18 @@ import torch.distributed as dist
 
 from trainer.checkpoint import staging
 from trainer.config import FSDPOptions, JobConfig
-from trainer.errors import CheckpointError, UserError
-from trainer.model import adapters, attention, nf4
+from trainer.errors import CheckpointError
+from trainer.model import adapters
 from trainer.model.loading import full_state_dict, model_config
-from trainer.objectives import linear_ce
 from trainer.strategies.base import ModelSource
 from trainer.strategies.common import (
     Evaluating,
     ModelCalls,
     build_optimizer,
-    compile_layers,
-    decoder_layers,
     torch_state_nbytes,
 )
+from trainer.strategies.fsdp_build import build_part
+from trainer.strategies.mesh_state import OptimizerGroup, clip_grad_norm_mesh
 
 IGNORE = -100
 
@@ -99,7 +98,14 @@ class FSDPStrategy(ModelCalls):
             )
         else:
             self.stage_ids = [0]
-        self.parts = [self._build_part(conf, stage, weights, source) for stage in self.stage_ids]
+        self.parts = []
+        for stage in self.stage_ids:
+            part, nf4_load = build_part(
+                self.cfg, self.device, self.mesh, self.n_stages, conf, stage, weights, source
+            )
+            self.parts.append(part)
+            if nf4_load is not None:
+                self.nf4_load = nf4_load
         keep = not self.adapter
         self.optimizers = [build_optimizer(self.cfg, part, keep) for part in self.parts]
         if len(self.parts) == 1:
@@ -119,117 +125,6 @@ class FSDPStrategy(ModelCalls):
         total = torch.tensor([mine], dtype=torch.float64, device=self.device)
         dist.all_reduce(total, group=self.mesh["pp"].get_group())
         return int(total.item())
-
-    def _build_part(
-        self, conf: Any, stage: int, weights: dict[str, Any], source: ModelSource
-    ) -> torch.nn.Module:
-        from accelerate import init_empty_weights
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-        from transformers import AutoModelForCausalLM
-
-        cfg = self.cfg
-        with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(
-                conf,
-                attn_implementation=attention.for_job(cfg, source.model_dir).impl,
-                dtype=torch.float32,
-            )
-        if getattr(model.config, "tie_word_embeddings", False):
-            # accelerate's meta init unties lm_head from embed_tokens (Gemma, small Qwen
-            # and Llama 3.2): lm_head would stay uninitialised memory after to_empty().
-            model.tie_weights()
-            # The checkpoint holds the tied weight once; an adapter's copies of lm_head
-            # (grown vocabulary: modules_to_save) load it under lm_head's name.
-            ties = getattr(model, "_tied_weights_keys", None)
-            for dst, src in ties.items() if isinstance(ties, dict) else ():
-                if self.adapter and dst not in weights and src in weights:
-                    weights = {**weights, dst: weights[src]}
-        if cfg.model.gradient_checkpointing or self.opts.activation_checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
-        # Under tp lm_head stays replicated (trainer.parallel.tp); under pp the last stage
-        # runs it with the labels in the schedule's loss (pipeline.last_stage_loss).
-        linear_ce.configure(model, cfg.train.loss, cfg.train.loss_chunk)
-        nf4_names: list[str] = []
-        if self.adapter:
-            # PEFT on the meta skeleton (the config refuses adapters with tp/pp > 1).
-            grew = adapters.grew_vocab(source.model_dir, source.vocab_size)
-            skip = set(adapters.embedding_names(model)[1:])  # the output embedding stays
-            model = adapters.apply(model, cfg, grew_vocab=grew, kbit=False)
-            base = adapters.base_dtype(cfg, self.device)
-            if cfg.model.adapter == "qlora":
-                nf4_names = nf4.quantize_skeleton(model, base, skip)
-            for p in model.parameters():
-                if not p.requires_grad and p.dtype.is_floating_point and not nf4.is_nf4(p):
-                    p.data = p.data.to(base)  # frozen: the compute dtype, no master copy
-        if self.pp > 1:
-            from trainer.parallel.pipeline import cut_to_stage
-
-            cut_to_stage(model, stage, self.n_stages)
-        layers = decoder_layers(model, self.opts.layer_class)
-        if self.tp > 1:
-            from trainer.parallel.tp import apply_tp
-
-            apply_tp(layers, model.config, self.mesh["tp"])
-        if cfg.train.compile:
-            compile_layers(layers)  # per block, before sharding (as torchtitan does)
-        bf16 = self.device.type == "cuda" and cfg.train.precision == "bf16"
-        kwargs: dict[str, Any] = {
-            "mesh": self.mesh["dp"],
-            "mp_policy": MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16 if bf16 else None,
-                reduce_dtype=torch.float32 if bf16 else None,
-            ),
-            # A stage's weights are used by every microbatch in flight: resharding after
-            # each forward would all-gather them once per microbatch.
-            "reshard_after_forward": self.opts.reshard_after_forward and self.pp == 1,
-        }
-        if self.opts.cpu_offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
-        if nf4_names and self.dp == 1:
-            # One replica: nothing to shard, and FSDP2 (torch 2.13) copies only the first
-            # of a tensor subclass's all-gather inputs when its group has one rank; the
-            # NF4 weights stay plain parameters of their modules.
-            params = dict(model.named_parameters())
-            kwargs["ignored_params"] = {params[n] for n in nf4_names}
-        for layer in layers:
-            fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
-
-        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-        model.to_empty(device="cpu" if self.opts.cpu_offload else self.device)
-        with torch.no_grad():
-            for n, b in model.named_buffers():
-                b.copy_(buffers[n].to(b.device))
-        own = set(model.state_dict())
-        if self.adapter:
-            shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-            # In the model's order: the same on every rank (a set's is not).
-            names = [n for n in model.state_dict() if n not in nf4_names]
-            mine = adapters.full_weights(names, shapes, weights, cfg.train.seed)
-            used = {adapters.base_name(k) for k in [*mine, *nf4_names]}
-        else:
-            mine = {k: v for k, v in weights.items() if k in own}
-            used = set(mine)
-        result = set_model_state_dict(
-            model, mine, options=StateDictOptions(full_state_dict=True, strict=False)
-        )
-        if nf4_names:
-            self.nf4_load = nf4.load_sharded(
-                model, nf4_names, lambda n: weights[adapters.base_name(n)], self.device
-            )
-        tied = set(_tied_keys(model))
-        missing = [k for k in result.missing_keys if k not in tied and k not in nf4_names]
-        if missing or (self.pp == 1 and len(used) < len(weights)):
-            unexpected = sorted(set(weights) - used)
-            raise UserError(
-                f"{source.model_dir}: weights do not match the model (missing {missing[:3]}, "
-                f"unexpected {unexpected[:3]})"
-            )
-        model.config.use_cache = False
-        return model
 
     def _build_schedule(self) -> None:
         from torch.distributed.pipelining import PipelineStage
@@ -587,30 +482,6 @@ class FSDPStrategy(ModelCalls):
         return torch_state_nbytes(self.model, self.optimizer)
 
 
-class OptimizerGroup(torch.optim.Optimizer):
-    """One optimizer per pipeline stage on this rank (DCP keeps one per model part), seen
-    as one by the loop's LR scheduler: its param_groups are theirs (the same dicts)."""
-
-    def __init__(self, optimizers: list[torch.optim.Optimizer]):
-        self.optimizers = optimizers
-        self.param_groups = [g for opt in optimizers for g in opt.param_groups]
-        self.defaults = optimizers[0].defaults
-        self._optimizer_step_pre_hooks = {}  # type: ignore[assignment]
-        self._optimizer_step_post_hooks = {}  # type: ignore[assignment]
-
-    @property  # type: ignore[override]
-    def state(self) -> dict[Any, Any]:  # what memory accounting reads
-        return {p: st for opt in self.optimizers for p, st in opt.state.items()}
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        for opt in self.optimizers:
-            opt.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=set_to_none)
-
-
 @functools.cache
 def _background_writer_class() -> type:
     """DCP's file writer, whose writes run at the background checkpoint priority
@@ -624,56 +495,6 @@ def _background_writer_class() -> type:
             return super().write_data(plan, planner)
 
     return BackgroundFileSystemWriter
-
-
-def clip_grad_norm_mesh(
-    params: list[torch.nn.Parameter], max_norm: float | None, replicas: int
-) -> torch.Tensor:
-    """The global gradient norm over every mesh dim, and clipping to `max_norm`.
-
-    `clip_grad_norm_` cannot stack norms of DTensors on different meshes (TP weights on
-    (dp, tp), norms and embeddings on dp only), and knows nothing of the pipeline. So:
-    each rank sums the squares of its local shards, each weighted by the share of the
-    stage's `replicas` (dp × tp) workers that hold that very shard (a weight sharded over
-    dp and tp: 1; a norm weight sharded over dp only: 1/tp), and one all-reduce over all
-    ranks adds the stages up."""
-    grads = []
-    sq = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        pieces = 1
-        if hasattr(g, "to_local"):
-            mesh, placements = g.device_mesh, g.placements
-            for i, pl in enumerate(placements):
-                # Shard, or FSDP's _StridedShard over a TP shard (which is not is_shard()).
-                if not pl.is_replicate():
-                    pieces *= mesh.size(i)
-            g = g.to_local()
-        grads.append(g)
-        sq = sq.to(g.device)
-        sq += g.detach().double().pow(2).sum() * (pieces / replicas)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(sq)
-    # On the device: the step report reads the norm when it writes a record (issue 47: a
-    # host read here made every step wait for the GPU). Where the host's test `coef < 1`
-    # failed (NaN included) the coefficient is 1, which leaves every gradient as it was.
-    norm = sq.sqrt()
-    if max_norm is not None and grads:
-        coef = max_norm / (norm + 1e-6)
-        coef = torch.where(coef < 1.0, coef, torch.ones_like(coef)).to(grads[0].dtype)
-        torch._foreach_mul_(grads, coef)
-    return norm
-
-
-def _tied_keys(model: Any) -> list[str]:
-    keys = getattr(model, "_tied_weights_keys", None) or []
-    if isinstance(keys, dict):
-        keys = list(keys)
-    if not getattr(model.config, "tie_word_embeddings", False):
-        return []
-    return list(keys)
 
 
 def _causal_only(attention: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""FSDP's mesh-aware clipping (trainer.strategies.fsdp.clip_grad_norm_mesh) keeps its norm
+"""FSDP's mesh-aware clipping (trainer.strategies.mesh_state.clip_grad_norm_mesh) keeps its norm
 on the device (issue 47: the step report reads it when it writes a record) and scales the
 gradients exactly as the host's float coefficient did."""
 
@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from trainer.strategies.fsdp import clip_grad_norm_mesh
+from trainer.strategies.mesh_state import clip_grad_norm_mesh
 
 
 def _params(scale: float) -> list[torch.nn.Parameter]:
