@@ -375,10 +375,19 @@ def test_spot_notice_checkpoints_at_once_and_loses_no_step(ray_cluster, tiny, tm
     """A spot notice served by a local IMDSv2 server: the node agent (the real one, as the
     image runs it) drains its node for preemption; the loop sees it at a step boundary,
     checkpoints at once and stops stepping; the node is reclaimed at the deadline, a
-    replacement joins, and the run resumes from the emergency checkpoint: zero lost."""
+    replacement joins, and the run resumes from the emergency checkpoint: zero lost.
+
+    The reclaim comes the moment the notice is journaled, and rank 1 (on the reclaimed
+    node) uploads its share of every checkpoint 3 s after rank 0 (RAYLIFT_FAULT_UPLOAD_PAUSE_S
+    3@1): a notice journaled before every rank's manifest is in storage leaves the
+    emergency checkpoint torn, whatever the machine's speed (issue 56)."""
     from tests.support.imds import SPOT_PATH, TOKEN_PATH, FakeImds, node_agent
 
-    cfg, client, job_id = launch(ray_cluster, fault_job(tiny, tmp_path, "spot"))
+    cfg, client, job_id = launch(
+        ray_cluster,
+        fault_job(tiny, tmp_path, "spot"),
+        env={"RAYLIFT_FAULT_UPLOAD_PAUSE_S": "3@1"},
+    )
     run_dir = Path(cfg.storage.path) / cfg.run.name
     run = resolve(str(run_dir))
     victim = _plain_node(ray_cluster)
