@@ -167,7 +167,8 @@ def test_the_architecture_page_lists_every_package_and_what_it_imports(graph):
         )
         assert drawn == want or (drawn == ["nothing"] and not want), (
             f"{PAGE.name}: the row of `{name}` says it imports {' '.join(drawn)}; "
-            f"the code imports {' '.join(want) or 'nothing'} (↑: a package drawn above it)"
+            f"the code imports {' '.join(want) or 'nothing'} (↑: a package drawn above it); "
+            "if that is meant: python tests/unit/test_import_graph.py --write"
         )
         assert row[1], f"{PAGE.name}: the row of `{name}` has no role"
 
@@ -192,7 +193,42 @@ def test_the_architecture_page_draws_each_layers_contract():
         assert all(r[1] for r in rows), f"{PAGE.name} {heading}: a layer has no role"
 
 
-if __name__ == "__main__":  # what the page's package table should say, to paste
-    g = grimp.build_graph(*ROOTS, cache_dir=None)
-    for name, imports in sorted(_package_imports(g).items()):
-        print(f"{name}: {' '.join(sorted(imports))}")
+def expected_cells(graph: grimp.ImportGraph) -> dict[str, str]:
+    """The imports cell each row of the page's package table should have, in the page's
+    order (a package not on the page yet is listed last, to be placed by hand)."""
+    real = _package_imports(graph)
+    order = [_names(r[0])[0] for r in _tables_under(PACKAGES_HEADING)]
+    order = [n for n in order if n in real] + sorted(set(real) - set(order))
+    cells = {}
+    for i, name in enumerate(order):
+        above = set(order[:i])
+        want = sorted(f"`{x}`" for x in real[name] - above) + sorted(
+            f"↑`{x}`" for x in real[name] & above
+        )
+        cells[name] = " ".join(want) or "nothing"
+    return cells
+
+
+def write_cells(cells: dict[str, str]) -> None:
+    """Rewrite the imports cell of each row the page already has (roles and order stay
+    the page's: a new package's row is written by hand, with its role)."""
+    lines = PAGE.read_text().splitlines(keepends=True)
+    start = lines.index(PACKAGES_HEADING + "\n")
+    for i in range(start + 1, len(lines)):
+        if lines[i].startswith("#"):
+            break
+        names = _names(lines[i].split("|")[1]) if lines[i].startswith("| `") else []
+        if names and names[0] in cells:
+            head = lines[i].rstrip().rstrip("|").rstrip()
+            lines[i] = head[: head.rindex("|") + 1] + f" {cells[names[0]]} |\n"
+    PAGE.write_text("".join(lines))
+
+
+if __name__ == "__main__":  # `--write`: the page's imports cells from the code
+    import sys
+
+    cells = expected_cells(grimp.build_graph(*ROOTS, cache_dir=None))
+    if "--write" in sys.argv:
+        write_cells(cells)
+    for name, cell in cells.items():
+        print(f"{name}: {cell}")

@@ -14,6 +14,7 @@ from typing import Any
 
 from trainer.planner.device import device_lines
 from trainer.planner.setup import Setup as Setup  # re-exported: where callers always found it
+from trainer.planner.setup import rank_params
 from trainer.planner.shape import (
     CPU_RANK_OVERHEAD,
     HOST_NODE_RESERVE,
@@ -264,22 +265,12 @@ def rank_memory(
     return rank
 
 
-def _rank_params(shape: ModelShape, s: Setup) -> tuple[float, float, float]:
-    """(parameters one rank's model-parallel share holds before dp sharding, of which in
-    one decoder layer, of which outside the layers). TP splits the decoder matrices over
-    tp; embeddings, norms and lm_head stay whole (replicated over tp). PP gives each rank
-    layers / pp layers, and the worst rank one of the embedding and the LM head."""
-    layer = shape.layer_params / s.tp
-    root = shape.root_params if s.pp == 1 else shape.root_params / 2
-    return shape.layers / s.pp * layer + root, layer, root
-
-
 def _model_parallel_memory(shape: ModelShape, s: Setup) -> tuple[float, float, float, list[str]]:
     """FSDP2 over dp of a (pp, tp) model-parallel share. Under pp the stage's weights stay
     gathered through the step (every microbatch in flight uses them) and its gradients
     accumulate unsharded until the last microbatch's backward."""
     c, o = s.c, s.optim_bytes
-    share, layer, root = _rank_params(shape, s)
+    share, layer, root = rank_params(shape, s)
     dp = max(1, s.world // (s.tp * s.pp))
     live = share if (s.pp > 1 or not s.fsdp_reshard) else root + 2 * layer
     weights = 4 * share / dp + c * live
@@ -325,54 +316,6 @@ def _stage_activations(shape: ModelShape, s: Setup, checkpointing: bool) -> floa
     layers = activation_bytes(local, mb, checkpointing) - head
     heads_held = s.microbatches if s.pp_schedule == "gpipe" else 1
     return _in_flight(s) * layers + heads_held * head
-
-
-def communication(shape: ModelShape, s: Setup) -> dict[str, float]:
-    """Bytes one rank sends per optimizer step, by mesh dim (ring collectives: an
-    all-gather or reduce-scatter of B bytes sends B·(n-1)/n, an all-reduce twice that).
-
-    - dp: FSDP all-gathers the rank's share of weights each micro step (again in backward
-      when it reshards after forward; not under pp) and reduce-scatters fp32 gradients
-      once; DDP all-reduces fp32 gradients.
-    - tp: two all-reduces of the hidden state per decoder layer in forward, two in
-      backward, for every token of the micro batch.
-    - pp: the hidden state forward and its gradient back across each stage boundary this
-      rank owns, per token.
-    With ranks laid out (dp, pp, tp), tp groups are consecutive ranks (inside a node when
-    tp <= GPUs per node); dp traffic crosses nodes as soon as there is more than one."""
-    c, a = s.c, s.grad_accum
-    tokens = s.micro_batch * s.block_size
-    if s.adapter != "none":
-        return {"dp": _adapter_traffic(shape, s), "tp": 0.0, "pp": 0.0}
-    if s.strategy == "ddp":
-        n = s.world
-        return {"dp": 2 * 4.0 * shape.params * (n - 1) / n, "tp": 0.0, "pp": 0.0}
-    if s.strategy != "fsdp":
-        return {"dp": 0.0, "tp": 0.0, "pp": 0.0}
-    share, _, _ = _rank_params(shape, s)
-    dp = max(1, s.world // (s.tp * s.pp))
-    gathers = 1 if (s.pp > 1 or not s.fsdp_reshard) else 2
-    dp_bytes = (a * gathers * c * share + 4 * share) * (dp - 1) / dp
-    tp_bytes = a * (shape.layers / s.pp) * 4 * tokens * shape.hidden * c * 2 * (s.tp - 1) / s.tp
-    stages = 2 if s.pp_schedule in ("interleaved_1f1b", "zbv") else 1
-    pp_bytes = a * 2 * stages * tokens * shape.hidden * c if s.pp > 1 else 0.0
-    return {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_bytes}
-
-
-def _adapter_traffic(shape: ModelShape, s: Setup) -> float:
-    """Adapters: DDP all-reduces the adapter gradients; FSDP2 and ZeRO-3 also all-gather
-    the frozen base (NF4 under QLoRA) in forward and again in backward, each micro step."""
-    n = s.world
-    lora = shape.lora_params(s.lora_r, list(s.lora_targets))
-    share = (n - 1) / n
-    if s.strategy in ("ddp", "zero2"):
-        return 2 * 4.0 * lora * share
-    quantized = shape.layers * shape.layer_linear_params
-    if s.adapter == "qlora":
-        base = QLORA_BYTES_PER_PARAM * quantized + s.c * (shape.params - quantized)
-    else:
-        base = float(s.c * shape.params)
-    return (s.grad_accum * 2 * (base + s.c * lora) + 4.0 * lora) * share
 
 
 def _adapter_memory(shape: ModelShape, s: Setup) -> tuple[float, float, float, list[str]]:
@@ -499,7 +442,7 @@ def _staging_bytes(shape: ModelShape, s: Setup) -> dict[str, float]:
     if s.strategy == "ddp":
         return {"staging_rank0": float((4 + s.optim_bytes) * shape.params)}
     if s.strategy == "fsdp":
-        share, _, _ = _rank_params(shape, s)
+        share, _, _ = rank_params(shape, s)
         dp = max(s.world // (s.tp * s.pp), 1)
         return {"staging": float((4 + s.optim_bytes) * share / dp)}
     partition = {"staging": float((4 + s.optim_bytes) * shape.params / s.world)}

@@ -21,7 +21,6 @@ from trainer.planner.flops import PEAK_FLOPS
 from trainer.planner.memory import (
     HostMemory,
     RankMemory,
-    communication,
     host_memory,
     rank_memory,
 )
@@ -37,6 +36,7 @@ from trainer.planner.shape import (
     shape_for_job,
 )
 from trainer.planner.tiers import plan_note
+from trainer.planner.traffic import communication
 
 # ---------------------------------------------------------------- layouts, verdicts, cost
 
@@ -190,7 +190,7 @@ def layout(
             _merge_node(nodes, check)
             if left == 0:
                 break
-    pool = get_instance(instance)
+    pool = groups[-1][0]  # the pool's type, looked up once above
     if tokens_per_s is not None:
         tps, source = tokens_per_s, "given"
     else:

@@ -146,3 +146,13 @@ def for_model(s: Setup, shape: ModelShape) -> Setup:
         eager_attention=attention == "eager",
         lora_targets=shape.lora_targets(s.lora_targets),
     )
+
+
+def rank_params(shape: ModelShape, s: Setup) -> tuple[float, float, float]:
+    """(parameters one rank's model-parallel share holds before dp sharding, of which in
+    one decoder layer, of which outside the layers). TP splits the decoder matrices over
+    tp; embeddings, norms and lm_head stay whole (replicated over tp). PP gives each rank
+    layers / pp layers, and the worst rank one of the embedding and the LM head."""
+    layer = shape.layer_params / s.tp
+    root = shape.root_params if s.pp == 1 else shape.root_params / 2
+    return shape.layers / s.pp * layer + root, layer, root

@@ -4,10 +4,11 @@ published Llama-2 shapes (the g5 table in docs/strategies.md comes from these fu
 from __future__ import annotations
 
 from trainer.config import JobConfig
-from trainer.planner.memory import Setup, communication, rank_memory
+from trainer.planner.memory import Setup, rank_memory
 from trainer.planner.plan import plan
 from trainer.planner.report import format_plan
 from trainer.planner.shape import ModelShape
+from trainer.planner.traffic import communication
 
 L13 = ModelShape(5120, 40, 40, 40, 13824, 32000)
 L70 = ModelShape(8192, 80, 64, 8, 28672, 32000)
