@@ -42,7 +42,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python tools/demo.py
+	$(BIN)/python -m tools.demo
 
 test: $(STAMP)
 	$(BIN)/python -m ruff check .
@@ -69,7 +69,7 @@ bench: $(STAMP)
 # measured against the planner: docs/gpu-check.md. Without CUDA: the CPU
 # self-check. GPUCHECK_ARGS: e.g. --only ddp fsdp, --peak-tflops 989, --layers 8.
 gpu-check: $(STAMP)
-	$(BIN)/python tools/gpucheck.py $(GPUCHECK_ARGS)
+	$(BIN)/python -m tools.gpucheck $(GPUCHECK_ARGS)
 
 # Engine: Docker BuildKit where one answers, buildah otherwise (RAYLIFT_IMAGE_ENGINE picks);
 # the first line of output names it. images/README.md has the settings (IMAGE_ARGS).

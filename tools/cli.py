@@ -2,7 +2,7 @@
 
 Each verb hands the rest of its command line to one tool's own `main(argv)`, so a verb
 takes exactly the flags of the script it stands for (`raylift plan job.yaml --json` is
-`python tools/plan.py job.yaml --json`). The tools are imported only when their verb runs:
+`python -m tools.plan job.yaml --json`). The tools are imported only when their verb runs:
 `raylift --help` needs none of them, and `raylift plan` stays a laptop command (no torch,
 no Ray).
 """
@@ -24,11 +24,15 @@ VERBS: dict[str, tuple[str, str]] = {
     "stop": ("tools.submit", "stop a run's live submission"),
     "list": ("tools.submit", "runs and their submissions"),
     "doctor": ("tools.submit", "check every node of the cluster"),
+    "data": ("tools.dataview", "the data as the model sees it: shapes, counts, rows marked"),
     "plan": ("tools.plan", "memory per rank and node, a verdict, the cheapest layout, its cost"),
     "image": ("tools.image", "build, push and lock the training images"),
     "report": ("tools.report", "summarise a run from its metrics: numbers and a PNG"),
     "demo": ("tools.demo", "the production path end to end on a local Ray cluster"),
-    "gpu-check": ("tools.gpucheck", "train every strategy on this machine's GPUs and judge it"),
+    "gpu-check": (
+        "tools.gpucheck.driver",
+        "train every strategy on this machine's GPUs and judge it",
+    ),
 }
 
 

@@ -78,7 +78,7 @@ PY
     cat "$OUT/versions.txt"
     local left=$((BUDGET_S - (SECONDS - t0)))
     # shellcheck disable=SC2086
-    timeout -k 10 "$left" python3 tools/gpucheck.py --out "$OUT/gpucheck" --only $STRATEGIES \
+    timeout -k 10 "$left" python3 -m tools.gpucheck --out "$OUT/gpucheck" --only $STRATEGIES \
         $GPUCHECK_ARGS > "$OUT/gpucheck.log" 2>&1
     echo "gpu-lease: gpucheck exit $? after $((SECONDS - t0)) s"
     tail -n 40 "$OUT/gpucheck.log"

@@ -3,7 +3,7 @@ cross-entropy on CUDA where it imports and can give what autograd asks, Raylift'
 torch version everywhere else; `train.loss: liger` is refused before launch on CPU workers
 and at model build where liger_kernel does not import; the planner counts liger's chunk.
 liger-kernel is not installed here (CPU tests must not need it), so its own numbers are
-gpu-check's (tools/gpucheck_loss.py)."""
+gpu-check's (tools/gpucheck/loss.py)."""
 
 from __future__ import annotations
 

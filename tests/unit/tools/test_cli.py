@@ -30,7 +30,15 @@ VERBS = (
     "demo",
     "gpu-check",
 )
-ENTRIES = ("demo", "gpucheck", "image", "localcluster", "plan", "report", "submit")
+ENTRIES = (
+    "demo/__main__",
+    "gpucheck/__main__",
+    "image",
+    "localcluster",
+    "plan/__main__",
+    "report/__main__",
+    "submit",
+)
 
 
 def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -58,7 +66,7 @@ def test_plan_verb_is_tools_plan_py(raylift, tmp_path):
     job = str(llama7b_job(tmp_path))  # the planner tests' Llama-2-7B job
     args = [job, "--instance", "g5.xlarge", "--json"]
     verb = _run([raylift, "plan", *args], tmp_path)
-    script = _run([sys.executable, str(ROOT / "tools" / "plan.py"), *args], tmp_path)
+    script = _run([sys.executable, str(ROOT / "tools" / "plan" / "__main__.py"), *args], tmp_path)
     assert verb.returncode == script.returncode == 2, verb.stderr + script.stderr  # won't fit
     assert json.loads(verb.stdout) == json.loads(script.stdout)
     assert json.loads(verb.stdout)["params"] == 6_738_415_616

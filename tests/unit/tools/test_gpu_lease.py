@@ -8,9 +8,9 @@ import re
 import subprocess
 
 from tests.unit.images.test_image_dockerfiles import _tool_binary
-from tools import gpucheck
+from tools.gpucheck import cases, jobs
 
-ROOT = gpucheck.ROOT
+ROOT = jobs.ROOT
 SCRIPT = ROOT / "tools" / "gpu_lease.sh"
 
 
@@ -30,4 +30,4 @@ def test_its_wheels_are_the_pinned_versions_and_its_strategies_exist():
     gpu_image = (ROOT / "images" / "bnb" / "requirements.lock").read_text()
     assert f"liger-kernel=={carried['liger-kernel']}\n" in gpu_image
     default = re.search(r'STRATEGIES="\$\{GPULEASE_ONLY:-([^}]+)\}"', text).group(1).split()
-    assert default and set(default) <= set(gpucheck.STRATEGIES)
+    assert default and set(default) <= set(cases.STRATEGIES)

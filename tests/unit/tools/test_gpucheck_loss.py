@@ -1,4 +1,4 @@
-"""tools/gpucheck_loss.py, gpu-check's loss-kernel bench (issue 47): its CPU run writes
+"""tools/gpucheck/loss.py, gpu-check's loss-kernel bench (issue 47): its CPU run writes
 loss.json with the plain and chunked kernels against the fp32 reference and liger
 reported as not installed; a kernel that errs or drifts past the tolerance fails the run.
 (Its figures are the GPU's: make gpu-check.)"""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from tools import gpucheck_loss
+from tools.gpucheck import loss as gpucheck_loss
 
 
 def test_the_cpu_run_writes_every_kernel_against_the_reference(tmp_path):

@@ -1,4 +1,4 @@
-"""tools/report.py: the figures it prints and the plot it draws, from a real metrics file
+"""tools/report/: the figures it prints and the plot it draws, from a real metrics file
 with a restart in it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`raylift report` (tools/report.py) as a new user meets it: the goodput split of a run
+"""`raylift report` (tools/report/) as a new user meets it: the goodput split of a run
 with a journal (lines and the PNG's stacked bar), a folder with no run (exit 2, no plot),
 and a bucket it cannot reach (one line, exit 2, no traceback)."""
 

@@ -14,7 +14,7 @@ tolerance is stated, not assumed). Writes <out>/loss.json and prints a table.
 `--cpu` (and any machine without CUDA) runs the same at a toy size in fp32, plain and
 chunked only: a unit test runs it so it cannot rot; its memory is not measured.
 
-    python tools/gpucheck_loss.py [--out build/gpucheck] [--iters 5] [--cpu]
+    python -m tools.gpucheck.loss [--out build/gpucheck] [--iters 5] [--cpu]
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """A docs page's generated block: the text between two marker comments that a tool renders
-from the code (tools/planfigures.py, tools/cadencefigures.py), so a figure the docs quote
-cannot drift from what computes it. Each tool's unit test compares the page with `page()`;
-`python tools/<tool>.py --write` rewrites the block, and with no flag prints it."""
+from the code (tools/docgen/planfigures.py, tools/docgen/cadencefigures.py), so a figure
+the docs quote cannot drift from what computes it. Each tool's unit test compares the page
+with `page()`; `python -m tools.docgen.<tool> --write` rewrites the block, and with no flag
+prints it."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class Block:
             print(f"wrote {self.page_path.relative_to(self.page_path.parents[1])}")
             return 0
         if argv:
-            print(f"usage: python tools/{tool} [--write]", file=sys.stderr)
+            print(f"usage: python -m tools.docgen.{tool} [--write]", file=sys.stderr)
             return 2
         print(self.render())
         return 0

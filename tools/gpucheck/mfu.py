@@ -23,14 +23,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from tools.gpucheck.cases import FIT, Size, plan_memory, predicted
+from tools.gpucheck.probes import RssGrowth, reset_peaks
+
 CASE = "mfu_8b"
 LAYERS_8B = 32
 
 
 def sizes() -> tuple[Any, Any]:
     """(the GPU size, the CPU size) of the case."""
-    from tools.gpucheck import Size
-
     gpu = Size(
         hidden=4096,
         layers=LAYERS_8B,
@@ -55,8 +56,6 @@ def sizes() -> tuple[Any, Any]:
 def most_layers(size: Any, world: int, gpu_bytes: float) -> Any:
     """`size` with the most layers (up to its own) that the planner fits in gpucheck's
     share of the GPU (gpucheck.FIT); one layer if none fits."""
-    from tools.gpucheck import FIT, predicted
-
     for layers in range(size.layers, 0, -1):
         candidate = replace(size, layers=layers)
         if predicted(CASE, candidate, world, size.vocab) <= FIT * gpu_bytes:
@@ -127,14 +126,13 @@ def step_tokens_per_s(cfg: Any, prep: Any, steps: int) -> dict[str, Any]:
 
 
 def row(job: Any, cfg: Any, ranks: list[dict[str, Any]], peak: float | None) -> dict[str, Any]:
-    """The case's result row (tools/gpucheck.collect's, for this case)."""
-    from tools.gpucheck import _plan
+    """The case's result row (tools/gpucheck/jobs.py collect's, for this case)."""
     from trainer.planner.plan import flops_per_token
     from trainer.planner.shape import shape_for_job
 
     first = ranks[0]
     shape = shape_for_job(cfg)
-    setup, mem = _plan(cfg, shape)
+    setup, mem = plan_memory(cfg, shape)
     out: dict[str, Any] = {
         "kind": "mfu",
         "layers": job.size.layers,
@@ -198,7 +196,6 @@ def run_rank(job: Path, out: Path, steps: int) -> None:
 
     import torch
 
-    from tools.gpucheck_worker import RssGrowth, _reset_peaks
     from trainer.config import load_config
     from trainer.runtime import launch
 
@@ -207,7 +204,7 @@ def run_rank(job: Path, out: Path, steps: int) -> None:
     prep = launch._prepare_rank0_first(cfg, rank)
     gpu = cfg.scaling.use_gpu
     if gpu:
-        _reset_peaks(gpu)
+        reset_peaks(gpu)
         got = step_tokens_per_s(cfg, prep, steps)
         got["max_memory_reserved"] = torch.cuda.max_memory_reserved()
         got["max_memory_allocated"] = torch.cuda.max_memory_allocated()

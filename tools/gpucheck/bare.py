@@ -1,7 +1,7 @@
 """gpu-check's bare loops: the same model, data and batch as a Raylift job, trained by the
 smallest correct loop of the framework that job uses (DDP, FSDP2's fully_shard, or
 DeepSpeed's initialize with the job's resolved config), so that Raylift's tokens/s can be
-read against the framework's own (tools/gpucheck.py prints the ratio).
+read against the framework's own (tools/gpucheck/report.py prints the ratio).
 
 No config machinery, checkpoints, metrics or scheduler: load, wrap, then for each step
 forward with labels, backward, clip, optimizer step. Runs on every rank of the job's

@@ -1,4 +1,4 @@
-"""gpucheck's jobs on this rank, run under torchrun by tools/gpucheck.py. Each job goes
+"""gpucheck's jobs on this rank, run under torchrun by tools/gpucheck/jobs.py. Each job goes
 through what `python -m trainer run` does under torchrun (trainer.runtime.launch: preflight, the
 node checks, tokenizing on rank 0 first; then trainer.loop.train: the strategy, steps,
 checkpoints, the export) twice in this process: first to `train.stop_at_step` (it
@@ -8,76 +8,19 @@ rank writes it to the job's OUT/rank<N>.json. Several jobs in one torchrun share
 imports, the process start and one process group (torchrun's store cannot host a
 second default group after the first is destroyed); on GPUs each job gets its own.
 
-    torchrun --nproc_per_node N tools/gpucheck_worker.py PLAN_JSON
+    torchrun --nproc_per_node N -m tools.gpucheck.worker PLAN_JSON
     (PLAN_JSON: [{"job": JOB_YAML, "stop_at": K, "out": OUT_DIR}, ...])
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import sys
 from pathlib import Path
 
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_peaks(gpu: bool) -> None:
-    gc.collect()
-    if gpu:
-        import torch
-
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM restarts from the current RSS
-
-
-class RssGrowth:
-    """A CPU rank's memory growth over a block: the larger of the kernel's exact peak
-    resident set (VmHWM, restarted on entry) and the peak anonymous memory (RssAnon,
-    sampled every `interval_s`), each above its own value on entry.
-
-    The resident set alone is not enough on a loaded host: the kernel drops the file-backed
-    pages of torch's shared libraries (hundreds of MiB) under memory pressure, so a tiny
-    model's run can end with its resident set below where it started (a CI run read
-    -87 MB). Anonymous pages (the model, optimizer, activations, gloo's buffers) are never
-    dropped without swap, so their sampled peak is the growth the planner predicts."""
-
-    def __init__(self, interval_s: float = 0.005):
-        self.interval_s = interval_s
-        self.bytes = 0
-
-    def __enter__(self) -> RssGrowth:
-        import threading
-
-        _reset_peaks(False)
-        self._rss0, self._anon0 = _status("VmRSS:"), _status("RssAnon:")
-        self._anon_peak = self._anon0
-        self._stop = threading.Event()
-
-        def sample() -> None:
-            while not self._stop.wait(self.interval_s):
-                self._anon_peak = max(self._anon_peak, _status("RssAnon:"))
-
-        self._thread = threading.Thread(target=sample, name="rss-growth", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        anon = max(self._anon_peak, _status("RssAnon:")) - self._anon0
-        self.bytes = max(_status("VmHWM:") - self._rss0, anon)
+from tools.gpucheck.probes import RssGrowth, reset_peaks
 
 
 def run_job(cfg) -> dict:
@@ -106,7 +49,7 @@ def run(job: Path, stop_at: int, out: Path, name: str = "") -> None:
 
     gpu = load_config(job, []).scaling.use_gpu
     rank = int(os.environ.get("RANK", "0"))
-    _reset_peaks(gpu)
+    reset_peaks(gpu)
     if gpu:
         from trainer.observability.device_memory import DeviceMemory
 
@@ -129,12 +72,12 @@ def run(job: Path, stop_at: int, out: Path, name: str = "") -> None:
         with RssGrowth() as growth:
             first = run_job(load_config(job, [f"train.stop_at_step={stop_at}"]))
         mem = {"peak_rss": growth.bytes, "device": "cpu"}
-    # The same model, data and batch through the framework's own bare loop (tools/gpucheck_bare).
-    from tools.gpucheck_bare import bare_tokens_per_s
+    # The same model, data and batch through the framework's own bare loop (tools/gpucheck/bare.py).
+    from tools.gpucheck.bare import bare_tokens_per_s
 
     cfg = load_config(job, [])
     mem["bare_tokens_per_s"] = bare_tokens_per_s(cfg, first["prep"], name)
-    _reset_peaks(gpu)
+    reset_peaks(gpu)
     if gpu:
         summary, mem["syncs"], mem["sync_sites"] = _counting_syncs(load_config(job, []))
     else:
@@ -247,8 +190,8 @@ def main() -> None:
     _measure_context()
     init_process_group(first.backend)
     for item in items:
-        if item.get("mfu"):  # Raylift's step at a Llama-3-8B shape (tools/gpucheck_mfu.py)
-            from tools.gpucheck_mfu import run_rank
+        if item.get("mfu"):  # Raylift's step at a Llama-3-8B shape (tools/gpucheck/mfu.py)
+            from tools.gpucheck.mfu import run_rank
 
             run_rank(
                 Path(item["job"]), Path(item["out"]), load_config(Path(item["job"])).train.max_steps

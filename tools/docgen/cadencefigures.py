@@ -3,8 +3,8 @@ says what a 64-node, 3-day 7B run on g5 spot should expect is generated here fro
 `trainer.planner.faults_sim` (the planner's plan for the job, the cadence's priors, the
 seeded Monte Carlo `raylift plan --days 3 --nodes 64` prints), so a change to the rule,
 the priors or the catalog that moves a figure fails tests/unit/planner/test_cadence_figures.py
-until the page is rewritten. `python tools/cadencefigures.py --write` rewrites it between
-its markers; with no flag it prints it."""
+until the page is rewritten. `python -m tools.docgen.cadencefigures --write` rewrites it
+between its markers; with no flag it prints it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tools.docblock import Block
+from tools.docgen.block import Block
 from trainer.checkpoint.cadence import SPOT_BANDS
 from trainer.config import JobConfig
 from trainer.planner import faults_sim as fs
@@ -22,8 +22,8 @@ from trainer.planner.catalog import get_instance
 from trainer.planner.plan import plan_job
 from trainer.planner.shape import LLAMA2_7B_CONFIG
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md"
-BEGIN = "<!-- simulated 64-node run (tools/cadencefigures.py --write) -->"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md"
+BEGIN = "<!-- simulated 64-node run (python -m tools.docgen.cadencefigures --write) -->"
 END = "<!-- end of simulated 64-node run -->"
 
 NODES, DAYS, SEED = 64, 3.0, 0
@@ -119,7 +119,8 @@ def table() -> str:
         f"{_pct(stall)} of the",
         f"run on {on['instance']}. A higher band or more nodes move the same table: rerun the "
         "command. The table",
-        "is generated (`python tools/cadencefigures.py --write`), and a unit test fails when the",
+        "is generated (`python -m tools.docgen.cadencefigures --write`), and a unit test fails "
+        "when the",
         "simulator, the rule, the priors or the catalog move a figure until it is rewritten.",
     ]
     return "\n".join(lines)
@@ -130,4 +131,4 @@ page = BLOCK.page
 
 
 if __name__ == "__main__":
-    sys.exit(BLOCK.main(sys.argv[1:], "cadencefigures.py"))
+    sys.exit(BLOCK.main(sys.argv[1:], "cadencefigures"))

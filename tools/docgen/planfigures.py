@@ -1,6 +1,6 @@
 """Keep the planner's figures in the docs current: the paragraph of docs/production.md that
 quotes `raylift plan` for the example 7B job is generated from the planner here, so it
-cannot drift from the formula. `python tools/planfigures.py --write` rewrites it between
+cannot drift from the formula. `python -m tools.docgen.planfigures --write` rewrites it between
 its markers; with no flag it prints it (tests/unit/planner/test_doc_figures.py compares)."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tools.docblock import Block
+from tools.docgen.block import Block
 from trainer.planner.memory import Setup
 from trainer.planner.plan import Plan, plan
 from trainer.planner.shape import GIB, LLAMA2_7B_CONFIG, ModelShape
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "production.md"
-BEGIN = "<!-- planner figures (tools/planfigures.py --write) -->"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "production.md"
+BEGIN = "<!-- planner figures (python -m tools.docgen.planfigures --write) -->"
 END = "<!-- end of planner figures -->"
 
 LLAMA2_7B = ModelShape.from_hf_config(LLAMA2_7B_CONFIG)
@@ -54,4 +54,4 @@ page = BLOCK.page
 
 
 if __name__ == "__main__":
-    sys.exit(BLOCK.main(sys.argv[1:], "planfigures.py"))
+    sys.exit(BLOCK.main(sys.argv[1:], "planfigures"))
