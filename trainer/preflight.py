@@ -128,7 +128,8 @@ def check_data_file(
 ) -> None:
     """Existence, and the first rows' shape, so a wrong file fails in a second. Every row
     of every file is checked when the data is tokenized, still before workers start.
-    A preference objective's rows are prompt/chosen/rejected pairs. The note says which
+    A preference objective's rows are pairs (an explicit, implicit or string prompt), KTO's
+    prompt/completion/label rows. The note says which
     shape the rows were read as (and a missing data.columns column fails here)."""
     from trainer.data.sources import list_local
 
@@ -138,8 +139,12 @@ def check_data_file(
         from trainer.data.shapes import sample_check as sft_check
 
         sample_check = partial(sft_check, columns=columns)
-    else:
-        from trainer.objectives.rows import sample_check
+    else:  # preference pairs, or KTO's unpaired rows
+        from functools import partial
+
+        from trainer.objectives.rows import sample_check as pair_check
+
+        sample_check = partial(pair_check, unpaired=objective == "kto", columns=columns)
 
     if not strict and not path.startswith("s3://"):
         try:

@@ -29,12 +29,13 @@ class OptimSection(_Section):
     grad_clip: float | None = Field(default=1.0, gt=0, description="Max grad norm; null = off.")
 
 
-OBJECTIVES = ("sft", "dpo", "ipo", "hinge", "simpo", "orpo", "grpo", "rloo")
+OBJECTIVES = ("sft", "dpo", "ipo", "hinge", "simpo", "orpo", "kto", "grpo", "rloo")
 """Training objectives (trainer.objectives): what a batch is and how its loss is made."""
+Objective = Literal["sft", "dpo", "ipo", "hinge", "simpo", "orpo", "kto", "grpo", "rloo"]
 
-PREFERENCE_BETA = {"dpo": 0.1, "ipo": 0.1, "hinge": 0.1, "simpo": 2.0, "orpo": 0.1}
-"""beta when train.preference.beta is unset: TRL's DPOConfig (0.1; for IPO its tau) and
-ORPOConfig (lambda, 0.1), the SimPO paper's 2.0."""
+PREFERENCE_BETA = {"dpo": 0.1, "ipo": 0.1, "hinge": 0.1, "simpo": 2.0, "orpo": 0.1, "kto": 0.1}
+"""beta when train.preference.beta is unset: TRL's DPOConfig (0.1; for IPO its tau),
+ORPOConfig (lambda, 0.1) and KTOConfig (0.1), the SimPO paper's 2.0."""
 
 
 class PreferenceSection(_Section):
@@ -65,18 +66,29 @@ class PreferenceSection(_Section):
         "left down to this many (default: half of block_size), then both completions are cut "
         "on the right to fit. Chosen and rejected always keep the same prompt.",
     )
+    desirable_weight: float = Field(
+        default=1.0,
+        gt=0,
+        description="kto: the weight of desirable rows' losses (TRL's KTOConfig default 1.0; "
+        "raise it when desirable rows are rarer, keeping desirable_weight × desirable rows "
+        "over undesirable_weight × undesirable rows between 1 and 4/3, as the KTO paper says).",
+    )
+    undesirable_weight: float = Field(
+        default=1.0, gt=0, description="kto: the weight of undesirable rows' losses (TRL: 1.0)."
+    )
 
     def beta_for(self, objective: str) -> float:
         return self.beta if self.beta is not None else PREFERENCE_BETA[objective]
 
 
 class TrainSection(_Section):
-    objective: Literal["sft", "dpo", "ipo", "hinge", "simpo", "orpo", "grpo", "rloo"] = Field(
+    objective: Objective = Field(
         default="sft",
         description="sft: next-token loss on the data's targets. dpo, ipo, hinge: preference "
         "losses against a reference (the base with the adapter off under lora/qlora, else "
         "log-probs precomputed before step 1); simpo, orpo: preference losses without a "
         "reference. Preference data are prompt/chosen/rejected rows (docs: preference). "
+        "kto: unpaired feedback, prompt/completion/label rows, against a reference as dpo. "
         "grpo, rloo: online RL from rewards on completions sampled from prompt rows (docs: rl).",
     )
     preference: PreferenceSection = Field(

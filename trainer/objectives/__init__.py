@@ -21,6 +21,7 @@ IMPLEMENTATIONS: dict[str, tuple[str, str]] = {
     "hinge": ("trainer.objectives.preference", "Preference"),
     "simpo": ("trainer.objectives.preference", "Preference"),
     "orpo": ("trainer.objectives.preference", "Preference"),
+    "kto": ("trainer.objectives.kto", "KTO"),
 }
 
 

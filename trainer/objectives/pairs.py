@@ -155,7 +155,10 @@ def _pad_id(tokenizer: Any) -> int:
 def _pair_rows(src: SourceFile, enc: PairEncoder, settings: PairSettings, report: ScanReport):
     """(prompt, chosen, rejected, None, cut) for each pair of `src`, logging the shapes."""
     shapes: Counter[str] = Counter()
-    for pair in iter_pairs(src, settings.on_bad_line, report, settings.endpoint, settings.region):
+    columns = dict(settings.columns)
+    for pair in iter_pairs(
+        src, settings.on_bad_line, report, settings.endpoint, settings.region, columns
+    ):
         shapes[pair.shape] += 1
         prompt, chosen, rejected, cut = cut_pair(
             *enc.encode(pair), settings.block_size, settings.max_prompt_tokens
@@ -175,7 +178,12 @@ def _unpaired_rows(src: SourceFile, enc: PairEncoder, settings: PairSettings, re
     rows = [
         (*enc.split(row.prompt, (row.completion,)), row.desirable)
         for row in iter_unpaired(
-            src, settings.on_bad_line, report, settings.endpoint, settings.region
+            src,
+            settings.on_bad_line,
+            report,
+            settings.endpoint,
+            settings.region,
+            dict(settings.columns),
         )
     ]
     if len(rows) == 1:

@@ -25,9 +25,11 @@ both message lists) and a boolean `label` (desirable or not).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.data.shapes import apply_columns
 from trainer.data.sources import ScanReport, SourceFile, iter_parsed, list_local
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -243,16 +245,31 @@ def parse_unpaired(obj: Any) -> tuple[Unpaired | None, str | None]:
     return row, None
 
 
+def _mapped(
+    parse: Callable[[Any], tuple[Any, str | None]], columns: Mapping[str, str] | None
+) -> Callable[[Any], tuple[Any, str | None]]:
+    """`parse` after data.columns renames the file's columns to the shape's fields."""
+    if not columns:
+        return parse
+
+    def read(obj: Any) -> tuple[Any, str | None]:
+        row, problem = apply_columns(obj, columns)
+        return (None, problem) if row is None else parse(row)
+
+    return read
+
+
 def iter_pairs(
     src: SourceFile,
     on_bad_line: str,
     report: ScanReport,
     endpoint: str | None = None,
     region: str | None = None,
+    columns: Mapping[str, str] | None = None,
 ) -> Any:
     """Each row's Pair; a bad row raises DataError naming file:line (file:row N for
     parquet), or, with on_bad_line=skip, is counted in `report`."""
-    return iter_parsed(src, on_bad_line, report, parse_pair, endpoint, region)
+    return iter_parsed(src, on_bad_line, report, _mapped(parse_pair, columns), endpoint, region)
 
 
 def iter_unpaired(
@@ -261,13 +278,20 @@ def iter_unpaired(
     report: ScanReport,
     endpoint: str | None = None,
     region: str | None = None,
+    columns: Mapping[str, str] | None = None,
 ) -> Any:
     """Each KTO row, with iter_pairs' handling of bad rows."""
-    return iter_parsed(src, on_bad_line, report, parse_unpaired, endpoint, region)
+    parse = _mapped(parse_unpaired, columns)
+    return iter_parsed(src, on_bad_line, report, parse, endpoint, region)
 
 
 def sample_check(
-    spec: str, what: str, on_bad_line: str, limit: int, unpaired: bool = False
+    spec: str,
+    what: str,
+    on_bad_line: str,
+    limit: int,
+    unpaired: bool = False,
+    columns: Mapping[str, str] | None = None,
 ) -> str | None:
     """The laptop's quick look at the first rows of the first local jsonl(.gz) file."""
     if spec.startswith("s3://"):
@@ -276,7 +300,7 @@ def sample_check(
     if first.fmt not in (".jsonl", ".jsonl.gz"):
         return f"{what} {first.uri}: {first.fmt} rows are checked on the cluster"
     scan = ScanReport()
-    rows = (iter_unpaired if unpaired else iter_pairs)(first, on_bad_line, scan)
+    rows = (iter_unpaired if unpaired else iter_pairs)(first, on_bad_line, scan, columns=columns)
     for seen, _ in enumerate(rows, 1):
         if seen >= limit:
             break

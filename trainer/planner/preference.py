@@ -12,7 +12,7 @@ from typing import Any
 
 from trainer.config import JobConfig
 
-REFERENCE_OBJECTIVES = ("dpo", "ipo", "hinge")
+REFERENCE_OBJECTIVES = ("dpo", "ipo", "hinge", "kto")
 BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}
 NF4_BYTES = 0.5 + 4 / 64
 """4 bits a weight and an fp32 absmax per block of 64 (before double quantization)."""
@@ -86,10 +86,17 @@ def notes(c: PreferenceCost | None) -> list[str]:
     """The plan's lines for a preference objective."""
     if c is None:
         return []
-    out = [
-        f"{c.objective}: {c.pairs_per_step} pairs per step = {c.sequences_per_step} sequences "
-        "(chosen and rejected; memory and tokens count both)"
-    ]
+    if c.objective == "kto":
+        out = [
+            f"kto: {c.pairs_per_step} rows per step = {c.sequences_per_step} sequences (each "
+            "row's and its mismatched one for the KL estimate, a no-grad forward; memory and "
+            "tokens count both)"
+        ]
+    else:
+        out = [
+            f"{c.objective}: {c.pairs_per_step} pairs per step = {c.sequences_per_step} "
+            "sequences (chosen and rejected; memory and tokens count both)"
+        ]
     live = (
         f"a live reference model would add {c.live_reference_gib_per_rank:.2f} GiB per rank "
         "(its frozen weights)"

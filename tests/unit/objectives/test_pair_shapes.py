@@ -190,3 +190,32 @@ def test_rows_fitting_no_shape_or_two_are_one_line_errors(row: dict, problem: st
 def test_settings_key_changes_with_unpaired() -> None:
     pairs, kto = PairSettings(block_size=BLOCK), PairSettings(block_size=BLOCK, unpaired=True)
     assert len({pairs.key(), kto.key(), Settings(block_size=BLOCK).key()}) == 3
+
+
+def test_columns_map_a_files_names(tiny, tmp_path: Path) -> None:
+    """data.columns: {prompt: question, chosen: response_j, rejected: response_k} reads a
+    StackExchange-style file as the same pairs as the standard names; a mapped column the
+    file lacks is a one-line error naming file:line."""
+    from trainer.errors import DataError
+
+    tok = _tokenizer(tiny)
+    row = ROWS[EXPLICIT][0]
+    named = {"question": row["prompt"], "response_j": row["chosen"], "response_k": row["rejected"]}
+    columns = {"prompt": "question", "chosen": "response_j", "rejected": "response_k"}
+    path = tmp_path / "se.jsonl"
+    path.write_text(json.dumps(named) + "\n")
+    settings = PairSettings(block_size=BLOCK, max_prompt_tokens=BLOCK // 2)
+    opts = dict(settings=settings, tokenize_shards=tokenize_pairs, progress=False)
+    cache = prepare(str(path), tok, cache_root=str(tmp_path / "c"), columns=columns, **opts)
+    ids, labels, _ = PairBlocks(cache, BLOCK).gather(np.array([0]))
+    want = _ours([row], tok, tmp_path / "std")[0]
+    start = int(np.argmax(labels[0] != IGNORE))
+    assert (ids[0, :start].tolist(), ids[0][labels[0] != IGNORE].tolist()) == want[:2]
+    with pytest.raises(DataError, match=r"se.jsonl:1: missing column 'answer_k' \(for rejected\)"):
+        prepare(
+            str(path),
+            tok,
+            cache_root=str(tmp_path / "d"),
+            columns=dict(columns, rejected="answer_k"),
+            **opts,
+        )
