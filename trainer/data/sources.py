@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import DataError, UserError
+from trainer.model.tokens import load_special_tokens as load_special_tokens  # callers' name
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 _GLOB = set("*?[")
@@ -64,21 +65,6 @@ class ScanReport:
     first_skipped: list[str] = field(default_factory=list)
     shape: str | None = None  # the shape the source's rows were read as (trainer.data.shapes)
     extra: list[str] = field(default_factory=list)  # fields no shape reads, listed once
-
-
-def load_special_tokens(path: str | Path) -> list[str]:
-    """Read a `{"tokens": [...]}` file (the Ray Llama template's tokens.json)."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: special-tokens file not found") from None
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
-    tokens = data.get("tokens") if isinstance(data, dict) else None
-    if not isinstance(tokens, list) or not all(isinstance(t, str) and t for t in tokens):
-        raise DataError(f'{path}: expected {{"tokens": ["<TOK>", ...]}} with non-empty strings')
-    return tokens
 
 
 def _supported(name: str) -> bool:

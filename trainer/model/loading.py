@@ -10,12 +10,12 @@ from typing import Any
 import torch
 
 from trainer.config import JobConfig
-from trainer.data.sources import load_special_tokens
 from trainer.errors import DeviceError, UserError
 from trainer.model import attention
 from trainer.model.folders import MODEL_CACHE as MODEL_CACHE
 from trainer.model.folders import local_model_dir as local_model_dir
 from trainer.model.folders import local_tokenizer_dir as local_tokenizer_dir
+from trainer.model.tokens import load_special_tokens
 
 log = logging.getLogger(__name__)
 
