@@ -27,6 +27,13 @@ for the write floor: a restarted attempt starts from the run's journaled costs (
 measuring save at its start), so the slow attempt's first upload starts one storage
 interval in and lands SLOW_S later, and the floor shows only if that is well inside the
 attempt's ~1100 steps (18 s on a quiet VM).
+
+The schedule is judged in journal records, not seconds: each fault waits for the record
+before it (a restart, a decision, the drained notice), and the run is kept from finishing
+before the write floor shows. Every step takes at least MIN_STEP_S
+(RAYLIFT_FAULT_MIN_STEP_S) until the test has seen the floor's decision, then the run
+finishes at full speed; a fast machine (a quiet one ran the whole job before the floor,
+4 times in 4) trains as a loaded one would, a loaded one is not slowed at all.
 """
 
 from __future__ import annotations
@@ -58,6 +65,8 @@ KILL_AT = 15
 RATE = 2.0  # hard failures an hour (checkpoint.failure_rate_per_hour)
 CAP_S = 4.0  # checkpoint.max_interval_s
 SLOW_S = 6.0  # the storage slowdown: seconds more per upload (the floor: 2 intervals)
+MIN_STEP_S = 0.03  # each step at least this long until the floor shows (~27 s for the last
+# attempt's ~900 steps, against the ~11 s the floor needs: one interval, then SLOW_S)
 WORKERS = 2
 STALLS = ("ckpt", "snap", "eval")
 
@@ -137,9 +146,11 @@ def test_cadence_moves_with_a_fault_schedule_and_the_replay_predicts_it(
     started = time.monotonic()
     slow = tmp_path / "slow-storage"
     notice = tmp_path / "rebalance.json"
+    floor_seen = tmp_path / "floor-seen"  # ends the steps' minimum time
     env = {
         faults.KILL_AFTER_STEP_ENV: str(KILL_AT),
         faults.SLOW_STORAGE_ENV: f"{slow}:{SLOW_S}",
+        faults.MIN_STEP_ENV: f"{MIN_STEP_S}:{floor_seen}",
         "RAYLIFT_REBALANCE_FILE": str(notice),
     }
     cfg, client, job_id = launch(ray_cluster, _job(tiny, tmp_path), env=env)
@@ -195,6 +206,7 @@ def test_cadence_moves_with_a_fault_schedule_and_the_replay_predicts_it(
             client,
             job_id,
         )
+        floor_seen.touch()  # the rest of the run at full speed
         slow.unlink()
     status, _ = follow(client, job_id, progress=False)
     logs = client.get_job_logs(job_id)
