@@ -1,4 +1,4 @@
-"""`python -m trainer run|validate|plan job.yaml [--set section.field=value ...]`,
+"""`python -m trainer run|validate|plan|data job.yaml [--set section.field=value ...]`,
 `python -m trainer doctor` (the cluster check, trainer.runtime.doctor), and `python -m trainer
 agent` (the spot-notice node agent, trainer.resilience.agent).
 
@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     from trainer.planner.report import add_arguments
 
     add_arguments(s)
+    from trainer.data.preview import add_arguments as data_arguments
+
+    data_arguments(sub.add_parser("data", help="the data as the model sees it, on a sample"))
     s = sub.add_parser("doctor", help="check every alive node of the cluster (a Ray job)")
     s.add_argument("--shared", help="shared folder every node must mount and write")
     s.add_argument("--bucket", help="s3://bucket/prefix every node must write, read, delete")
@@ -85,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
                     "region": args.region,
                 }
             )
+        if args.command == "data":
+            from trainer.data.preview import run as data_preview
+
+            return data_preview(args, sys.stdout)
         as_test = getattr(args, "as_test", False)
         overrides = list(args.overrides) + (["train.as_test=true"] if as_test else [])
         cfg = load_config(args.config, overrides)

@@ -1,0 +1,101 @@
+"""`python -m trainer data` and `raylift data`: the shape, the counts and the first rows of
+each source, the trained tokens marked. The counts are checked against the manifests of
+the caches the run itself builds (`prepare_inputs`), the marks against the rows' answers."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.support.data import write
+from tests.unit.data.test_shapes import TEMPLATE
+from trainer.config import load_config
+
+QA = [
+    {"question": f"What is {i} plus 2?", "answer": f"{i} plus 2 is {i + 2}.", "id": i}
+    for i in range(12)
+]
+ALPACA = [
+    {"instruction": f"Count to {i}.", "input": "", "output": " ".join(map(str, range(i)))}
+    for i in range(1, 40)
+]
+
+
+@pytest.fixture
+def data_job(job, tmp_path):
+    qa = write(tmp_path / "qa.jsonl", QA)
+    alpaca = write(tmp_path / "alpaca.jsonl", ALPACA)
+    return job(
+        "preview",
+        data={
+            "train_file": [
+                {"path": str(qa), "columns": {"prompt": "question", "completion": "answer"}},
+                {"path": str(alpaca), "name": "count"},
+            ],
+            "chat_template": TEMPLATE,
+            "block_size": 48,
+            "long_rows": "drop",
+        },
+    )
+
+
+def counts(text: str, source: str) -> dict[str, int]:
+    m = re.search(
+        rf"train source {source} .*\n  every row: (\d+) rows, (\d+) tokens, (\d+) trained "
+        r"\([\d.]+ %\); (\d+) longer than a block of 48 \(dropped\), (\d+) dropped",
+        text,
+    )
+    assert m, text
+    keys = ("documents", "num_tokens", "trained_tokens", "long_rows", "dropped_rows")
+    return dict(zip(keys, map(int, m.groups()), strict=True))
+
+
+def test_counts_match_the_manifest_and_answers_are_marked(data_job, capsys):
+    from trainer.__main__ import main
+    from trainer.runtime.launch import prepare_inputs
+
+    assert main(["data", str(data_job), "--rows", "2", "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    assert "train source qa " in out and "read as prompt/completion" in out
+    assert "prompt ← question" in out and "completion ← answer" in out
+    assert "extra fields ignored: id" in out
+    assert "train source count " in out and "read as alpaca (trained: the output)" in out
+
+    prepared = prepare_inputs(load_config(data_job), progress=False)
+    for name, cache in zip(("qa", "count"), prepared.train_caches, strict=True):
+        meta = json.loads((Path(cache) / "manifest.json").read_text())
+        want = {k: meta[k] for k in counts(out, name)}
+        assert counts(out, name) == want
+    assert counts(out, "count")["dropped_rows"] > 0  # the long Alpaca rows
+
+    # The first rows: only each answer (and its EOS) is in brackets.
+    rows = re.findall(r"  row \d+ \((\d+) tokens, (\d+) trained\):\n    (.*)\n    ids: (.*)", out)
+    assert len(rows) == 6  # two of each train source, two of the base job's eval file
+    marked = [re.findall(r"\[\[(.*?)\]\]", text) for _, _, text, _ in rows[:4]]
+    assert marked[:2] == [["0 plus 2 is 2.</s>"], ["1 plus 2 is 3.</s>"]]
+    assert marked[2:] == [["0</s>"], ["0 1</s>"]]
+    assert "[[" not in rows[0][2].split("<|assistant|>")[0]
+    for _, n_trained, _, ids in rows:
+        trained_ids = " ".join(re.findall(r"\[\[(.*?)\]\]", ids)).split()
+        assert len(trained_ids) == int(n_trained)
+
+
+def test_raylift_data_marks_in_colour_on_request(data_job, capsys):
+    from tools.cli import main
+
+    assert main(["data", str(data_job), "--rows", "1", "--color", "always"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b[32m0 plus 2 is 2.</s>\x1b[0m" in out and "[[" not in out
+
+
+def test_a_missing_column_is_one_line(data_job, capsys):
+    from tools.cli import main
+
+    bad = json.dumps([{"path": str(data_job.parent / "qa.jsonl"), "columns": {"prompt": "q"}}])
+    assert main(["data", str(data_job), "--set", f"data.train_file={bad}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert re.match(r"error: .*qa\.jsonl:1: missing column 'q' \(for prompt\)", err), err
