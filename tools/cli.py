@@ -25,7 +25,6 @@ VERBS: dict[str, tuple[str, str]] = {
     "list": ("tools.submit", "runs and their submissions"),
     "doctor": ("tools.submit", "check every node of the cluster"),
     "data": ("tools.dataview", "the data as the model sees it: shapes, counts, rows marked"),
-    "data": ("tools.dataview", "the data as the model sees it: shapes, counts, rows marked"),
     "plan": ("tools.plan", "memory per rank and node, a verdict, the cheapest layout, its cost"),
     "image": ("tools.image", "build, push and lock the training images"),
     "report": ("tools.report", "summarise a run from its metrics: numbers and a PNG"),
