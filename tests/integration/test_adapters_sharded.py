@@ -290,10 +290,19 @@ def _adapter_job(root: Path, tiny: dict[str, Path], name: str, **sections: Any) 
 
 
 @pytest.fixture(scope="module")
-def ddp_lora(ray_cluster, tiny, tmp_path_factory):
-    """The reference: LoRA on DDP, 20 straight steps."""
+def ddp_lora(tiny, tmp_path_factory):
+    """The reference: LoRA on DDP, 20 straight steps. Under torchrun: the same loop, world
+    size and gloo reductions as on Ray Train, without a Ray job's start-up (~45 s on the CI
+    machine); LoRA on DDP through Ray Train is test_strategies' adapter test."""
+    from tests.support.torchrun import torchrun
+    from tools.jobcli import submit
+    from trainer.config import load_config
+
     root = tmp_path_factory.mktemp("ddp-lora")
-    cfg, _, _ = run_to_end(ray_cluster, _adapter_job(root, tiny, "ddp-lora"))
+    path = _adapter_job(root, tiny, "ddp-lora")
+    res = torchrun(["-m", "trainer", "run", str(path)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    cfg = submit.absolutize(load_config(path, []), Path.cwd())
     return _losses(history(cfg)[1])
 
 
@@ -402,7 +411,12 @@ def test_zero3_lora_matches_ddp_after_a_kill_and_exports(ray_cluster, tiny, tmp_
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("config", "first", "then"), [("zero3", 2, 1), ("zero2", 1, 2)])
+# Growing (ZeRO-2, 1 to 2) runs in make bench (bench_only, issue 56): the portable
+# adapter.pt that lets a world size change is the same file either way, and CI shrinks.
+@pytest.mark.parametrize(
+    ("config", "first", "then"),
+    [("zero3", 2, 1), pytest.param("zero2", 1, 2, marks=pytest.mark.bench_only)],
+)
 def test_deepspeed_lora_resumes_on_another_world_size(
     ray_cluster, tiny, tmp_path, ddp_lora, config, first, then
 ):
