@@ -33,6 +33,8 @@ from trainer.data.encode import read_chat_template as read_chat_template
 from trainer.data.shapes import iter_examples
 from trainer.data.sources import Example, ScanReport, SourceFile, list_sources
 from trainer.data.sources import load_special_tokens as load_special_tokens
+from trainer.data.tokenizer_files import ShippedTokenizer as ShippedTokenizer
+from trainer.data.tokenizer_files import TokenizerFiles, tokenizer_fingerprint
 from trainer.errors import DataError, UserError
 
 log = logging.getLogger(__name__)
@@ -46,87 +48,7 @@ memory in flight (two batches: one encoding while the next is read) is bounded b
 text, whether a corpus has short rows or whole books, and not by the size of its files."""
 
 
-# ---------------------------------------------------------------- settings and cache key
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    if isinstance(tokenizer, TokenizerFiles):
-        return tokenizer.fingerprint()
-    h = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode())
-    template = getattr(tokenizer, "chat_template", None) or ""
-    h.update(f"|eos={tokenizer.eos_token_id}|tpl={template}".encode())
-    return h.hexdigest()[:16]
-
-
-_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
-
-
-class TokenizerFiles:
-    """A tokenizer named by its files, loaded only when needed. The driver keys the token
-    cache by these files (every file of the tokenizer folder but weights, the special
-    tokens file) and the versions of the libraries that read them, which together fix the
-    loaded tokenizer: so a cache hit (every resubmission, every job on data seen before)
-    never imports transformers, ~4 s of the driver's start-up. A miss loads the tokenizer
-    and tokenizes with it."""
-
-    def __init__(self, folder: Path, special_tokens_file: str | None):
-        self.folder, self.special_tokens_file = Path(folder), special_tokens_file
-        self._loaded: Any = None
-
-    def fingerprint(self) -> str:
-        from importlib.metadata import version
-
-        h = hashlib.sha256(b"files|")
-        h.update(
-            f"transformers={version('transformers')}|tokenizers={version('tokenizers')}".encode()
-        )
-        if not self.folder.is_dir():
-            raise UserError(f"{self.folder}: cannot load a tokenizer: no such folder")
-        for path in sorted(self.folder.iterdir()):
-            if path.is_file() and not path.name.endswith(_WEIGHTS):
-                h.update(f"|{path.name}|".encode())
-                h.update(path.read_bytes())
-        if self.special_tokens_file:
-            h.update(b"|special|" + Path(self.special_tokens_file).read_bytes())
-        return h.hexdigest()[:16]
-
-    def load(self) -> Any:
-        if self._loaded is None:
-            from trainer.model.loading import load_tokenizer
-
-            self._loaded = load_tokenizer(self.folder, self.special_tokens_file)
-        return self._loaded
-
-
-class ShippedTokenizer:
-    """What encoding needs from a Hugging Face tokenizer, cheap to send to a cluster task:
-    the Rust tokenizer (it pickles as its JSON), the EOS id, the chat template and the
-    length. Unpickling the full tokenizer imports transformers, seconds of one CPU in every
-    fresh worker process of every node; here that happens only if a chat row needs the
-    template renderer (the full tokenizer rides along, pickled, for exactly that)."""
-
-    def __init__(self, tokenizer: Any):
-        import pickle
-
-        self.backend_tokenizer = tokenizer.backend_tokenizer
-        self.eos_token_id = tokenizer.eos_token_id
-        self.chat_template = getattr(tokenizer, "chat_template", None)
-        self._len = len(tokenizer)
-        self._full_pickle = pickle.dumps(tokenizer)
-        self._full: Any = None
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_full": None}
-
-    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
-        if self._full is None:
-            import pickle
-
-            self._full = pickle.loads(self._full_pickle)
-        return self._full.apply_chat_template(*args, **kwargs)
+# ---------------------------------------------------------------- the cache key
 
 
 def source_fingerprint(src: SourceFile) -> str:
@@ -415,6 +337,19 @@ def _report(spec: str, meta: dict[str, Any], settings: Settings, out: Path) -> N
             settings.block_size,
             verb,
         )
+    _log_shapes(spec, meta, settings)
+    log.info(
+        "tokenized %s: %d files, %d documents, %d tokens → %s",
+        spec,
+        len(meta["shards"]),
+        meta["documents"],
+        meta["num_tokens"],
+        out,
+    )
+
+
+def _log_shapes(spec: str, meta: dict[str, Any], settings: Settings) -> None:
+    """Which shape the files were read as: among the run's first log lines, cache hit or not."""
     for shape in sorted({s["shape"] for s in meta["shards"] if s.get("shape")}):
         files = [s for s in meta["shards"] if s.get("shape") == shape]
         extra = sorted({f for s in files for f in s.get("extra") or []})
@@ -426,14 +361,6 @@ def _report(spec: str, meta: dict[str, Any], settings: Settings, out: Path) -> N
             f" (columns {dict(settings.columns)})" if settings.columns else "",
             f"; extra fields ignored: {', '.join(extra)}" if extra else "",
         )
-    log.info(
-        "tokenized %s: %d files, %d documents, %d tokens → %s",
-        spec,
-        len(meta["shards"]),
-        meta["documents"],
-        meta["num_tokens"],
-        out,
-    )
 
 
 def prepare(
@@ -460,7 +387,9 @@ def prepare(
     out = cache_dir_for(spec, sources, cache_root, cache_key(sources, tokenizer, settings))
     if (out / "manifest.json").exists():
         log.info("using tokenized cache %s", out)
-        return TokenCache(out)
+        cache = TokenCache(out)
+        _log_shapes(spec, cache.meta, settings)
+        return cache
     if isinstance(tokenizer, TokenizerFiles):
         tokenizer = tokenizer.load()
     if settings.append_eos and tokenizer.eos_token_id is None:
