@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 # make test runs the benchmarks too, at smoke size (tests/bench/benchutil.py): a benchmark
 # that no longer runs fails CI; its targets are judged only by make bench. Those that take
-# minutes even at smoke size (marked bench_only) run in make bench alone: CI's 40 minutes.
+# minutes even at smoke size (marked bench_only) run in make bench alone: CI's 30 minutes.
 TEST_PATHS ?= tests/unit tests/integration tests/bench
 TEST_MARKS ?= not bench_only
 # Integration cases CI leaves to make bench (bench_only; docs/development.md names each and
