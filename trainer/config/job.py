@@ -115,6 +115,17 @@ class JobConfig(_Section):
                 f"data.attention: document does not apply to train.objective {objective} "
                 "(completions are never packed: each is a row of its own); leave it auto"
             )
+        if isinstance(s, FSDPOptions) or (s.name == "deepspeed" and s.config != "zero2"):
+            raise ValueError(
+                f"strategy.name: {s.name} with train.objective {objective} is not in this build "
+                "(the generate engine needs whole weights; gathering FSDP2/ZeRO-3 shards for "
+                "it is still to come); use ddp or deepspeed config zero2, lora for large models"
+            )
+        if isinstance(self.data.train_file, list):
+            raise ValueError(
+                f"data.train_file: a list of sources with train.objective {objective} is not "
+                "supported in this build; give one file, folder or glob of prompt rows"
+            )
         if self.data.eval_file is not None:
             raise ValueError(
                 f"data.eval_file: not supported with train.objective {objective} in this build "

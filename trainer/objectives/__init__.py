@@ -22,6 +22,8 @@ IMPLEMENTATIONS: dict[str, tuple[str, str]] = {
     "simpo": ("trainer.objectives.preference", "Preference"),
     "orpo": ("trainer.objectives.preference", "Preference"),
     "kto": ("trainer.objectives.kto", "KTO"),
+    "grpo": ("trainer.objectives.grpo", "GRPO"),
+    "rloo": ("trainer.objectives.grpo", "GRPO"),
 }
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from trainer.config import JobConfig
+from trainer.rollouts.logps import completion_logps
 
 BATCH = ("ids", "attention", "loss_mask", "advantages", "old", "ref")
 """A micro batch's arrays, in order: prompt + completion ids (prompts left-padded,
@@ -54,31 +55,6 @@ class LossSettings:
             max_completion_length=rl.max_completion_length,
             temperature=rl.temperature,
         )
-
-
-def completion_logps(
-    model: torch.nn.Module,
-    ids: torch.Tensor,
-    attention: torch.Tensor,
-    width: int,
-    temperature: float,
-    entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log-prob of each of the last `width` tokens, their entropies or None): logits only
-    for those positions (`logits_to_keep`), divided by the temperature, softmax in float32 at least.
-    A completion position the attention mask leaves out scores 0, as in TRL."""
-    logits = model(input_ids=ids, attention_mask=attention, logits_to_keep=width + 1).logits
-    logits = logits[:, :-1]
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    target = ids[:, -width:]
-    logps = torch.gather(logp_all, -1, target.unsqueeze(-1)).squeeze(-1)
-    keep = attention[:, -width:] != 0
-    logps = logps.masked_fill(~keep, 0.0)
-    if not entropy:
-        return logps, None
-    ent = -(logp_all.exp() * logp_all).sum(-1).masked_fill(~keep, 0.0)
-    return logps, ent
 
 
 def count_items(loss_type: str, loss_mask: np.ndarray) -> float:
@@ -160,3 +136,140 @@ def _rloo_loss(
         "clip_region": torch.clamp(low + high, max=1.0).sum(),
         "clip_count": n,
     }
+
+
+
+
+class GRPO:
+    """The loop's objective for grpo and rloo: the feed samples, the loss learns."""
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg, self.name = cfg, cfg.train.objective
+        self.s = LossSettings.of(cfg)
+        self.feed: Any = None
+        self.rt: Any = None
+        self._sums: torch.Tensor | None = None
+        self._logged: list[dict[str, Any]] = []
+
+    def open_feed(self, train: list[str], eval_: list[str], rank: int, world: int) -> Any:
+        from trainer.rollouts.feed import RolloutFeed
+        from trainer.rollouts.prompts import read_prompts
+
+        self.feed = RolloutFeed(self.cfg, read_prompts(train[0]), rank, world)
+        return self.feed
+
+    def before_training(self, strategy: Any, feed: Any, rt: Any) -> None:
+        """The rollout's engine, tokenizer, rewards and reference, bound to the feed."""
+        from trainer.rollouts.setup import bind_feed
+
+        self.rt = rt
+        bind_feed(self.cfg, strategy, feed)
+
+    def count(self, batch: tuple[np.ndarray, ...]) -> float:
+        return count_items(self.s.loss_type, batch[2])
+
+    def inputs(
+        self, batch: tuple[np.ndarray, ...], device: torch.device, attend: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        ids, attention, mask, adv, old, ref = (
+            torch.from_numpy(a).to(device, non_blocking=True) for a in batch
+        )
+        return (
+            ids,
+            mask,
+            {
+                "attention": attention,
+                "advantages": adv,
+                "old": old if old.shape[1] else None,
+                "ref": ref if ref.shape[1] else None,
+            },
+        )
+
+    def loss(
+        self,
+        model: torch.nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        num_items: Any,
+        attention: torch.Tensor | None = None,
+        advantages: torch.Tensor | None = None,
+        old: torch.Tensor | None = None,
+        ref: torch.Tensor | None = None,
+        **kw: Any,
+    ) -> torch.Tensor:
+        assert attention is not None and advantages is not None
+        logps, entropy = completion_logps(
+            model, x, attention, y.shape[1], self.s.temperature, entropy=True
+        )
+        loss, stats = policy_loss(self.s, logps, y, advantages, old, ref, num_items)
+        assert entropy is not None
+        mask = y.to(entropy.dtype)
+        tokens = mask.sum()
+        zero = torch.zeros((), device=tokens.device)
+        sums = torch.stack(
+            [
+                tokens,
+                stats.get("kl", zero),
+                (entropy.detach() * mask).sum(),
+                stats["clip_count"],
+                stats["clip_low"],
+                stats["clip_high"],
+                stats["clip_region"],
+            ]
+        ).double()
+        self._sums = sums if self._sums is None else self._sums + sums
+        return loss
+
+    def metrics(self, all_reduce: Any) -> dict[str, float]:
+        """TRL's names over every rank since the last report: the rollouts' reward,
+        reward_std, rewards/<name>/mean, completions/mean_length and clipped_ratio; the
+        loss's kl (beta > 0), entropy and clip ratios. Collective."""
+        stats, self.feed.stats = self.feed.stats, []
+        names = self.feed.rewards.names
+        local = [
+            sum(s.completions for s in stats),
+            sum(s.reward_sum for s in stats),
+            sum(s.reward_sq for s in stats),
+            sum(s.length_sum for s in stats),
+            sum(s.truncated for s in stats),
+            *[sum(s.per_function[j] for s in stats) for j in range(len(names))],
+            *(self._sums.tolist() if self._sums is not None else [0.0] * 7),
+        ]
+        self._sums = None
+        n, r, r2, length, truncated, *rest = all_reduce(local)
+        per_function, (tokens, kl, entropy, clip_n, low, high, region) = (
+            rest[: len(names)],
+            rest[len(names) :],
+        )
+        self._log_completions([x for s in stats for x in s.samples])
+        if not n:
+            return {}
+        out = {
+            "reward": r / n,
+            "reward_std": max(r2 - r * r / n, 0.0) ** 0.5 / max(n - 1, 1) ** 0.5,
+            "completions/mean_length": length / n,
+            "completions/clipped_ratio": truncated / n,
+        }
+        out.update({f"rewards/{k}/mean": v / n for k, v in zip(names, per_function, strict=True)})
+        if tokens:
+            out["entropy"] = entropy / tokens
+            if self.s.beta != 0.0 and self.s.loss_type != "rloo":
+                out["kl"] = kl / tokens
+        if clip_n:
+            out["clip_ratio/low_mean"] = low / clip_n
+            out["clip_ratio/high_mean"] = high / clip_n
+            out["clip_ratio/region_mean"] = region / clip_n
+        return out
+
+    def _log_completions(self, samples: list[dict[str, Any]]) -> None:
+        """Rank 0's sample of completions with their rewards, the whole file rewritten
+        (object stores cannot append): completions.jsonl in the run folder."""
+        if not samples or self.rt is None or self.rt.rank != 0:
+            return
+        import json
+
+        self._logged.extend(samples)
+        loc = self.rt.run.join("completions.jsonl")
+        body = "".join(json.dumps(s) + "\n" for s in self._logged)
+        with loc.fs.open_output_stream(loc.path) as f:
+            f.write(body.encode())

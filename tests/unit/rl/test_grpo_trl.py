@@ -16,7 +16,8 @@ import torch
 from tests.support.rl_batch import VOCAB, grpo_stand_in, rl_batch, rloo_stand_in
 from tests.support.small_model import tiny_llama
 from trainer.config import load_config
-from trainer.objectives.grpo import LossSettings, completion_logps, count_items, policy_loss
+from trainer.objectives.grpo import LossSettings, count_items, policy_loss
+from trainer.rollouts.logps import completion_logps
 
 LOSS_TYPES = ["grpo", "dr_grpo", "dapo", "bnpo"]
 ADVANTAGES = torch.tensor([1.2, -0.7, 0.4, -1.5, 0.9, -0.3], dtype=torch.float64)

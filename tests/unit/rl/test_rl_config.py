@@ -101,6 +101,13 @@ def test_refused_in_one_line(train, top, message) -> None:
     assert "\n" not in str(e.value).strip()
 
 
+@pytest.mark.parametrize("strategy", [{"name": "fsdp"}, {"name": "deepspeed"}])
+def test_sharded_weights_refused_for_now(strategy) -> None:
+    with pytest.raises(ConfigError, match=r"with train\.objective grpo is not in this build"):
+        _cfg(strategy=strategy)
+    assert _cfg(strategy={"name": "deepspeed", "config": "zero2"}).strategy.name == "deepspeed"
+
+
 def test_document_packing_refused() -> None:
     with pytest.raises(
         ConfigError, match=r"data\.attention: document does not apply to train\.objective rloo"
