@@ -391,7 +391,7 @@ def test_lost_steps_count_from_the_ram_tiers_newest_snapshot_past_the_written_hi
     attempt counts its lost steps from there."""
     from types import SimpleNamespace
 
-    from trainer.loop import _journal_attempt
+    from trainer.resilience.attempt import _journal_attempt
 
     run = resolve(str(tmp_path / "run"))
     journal.Journal(run, "attempt-1-rank0").add("attempt", attempt=1, from_step=0, lost_steps=0)
@@ -413,7 +413,7 @@ def test_a_step_lost_to_an_earlier_fault_is_not_counted_again(tmp_path):
     attempt lost 10 steps, the third 2 (not 15 - 10: steps 13-15 were lost already)."""
     from types import SimpleNamespace
 
-    from trainer.loop import _journal_attempt
+    from trainer.resilience.attempt import _journal_attempt
 
     run = resolve(str(tmp_path / "run"))
     journal.Journal(run, "attempt-1-rank0").add("attempt", attempt=1, from_step=0, lost_steps=0)
