@@ -35,10 +35,25 @@ def _local_or_note(path: str, what: str, strict: bool, report: Report) -> Path |
     p = Path(path).expanduser()
     if p.exists():
         return p
+    if _hub_note(path, what, report):
+        return None
     if strict:
         raise UserError(f"{what} {path}: not found")
     report.notes.append(f"{what} {path}: not on this machine; checked on the cluster")
     return None
+
+
+def _hub_note(path: str, what: str, report: Report) -> bool:
+    """A Hub id is fetched by the driver (trainer.storage.hub) before this runs there."""
+    from trainer.storage.hub import parse
+
+    if parse(path, dataset=what.startswith("data.")) is None:
+        return False
+    report.notes.append(
+        f"{what} {path}: a Hugging Face Hub id, fetched by the driver into shared storage "
+        "before launch (HF_TOKEN for gated repositories)"
+    )
+    return True
 
 
 def check_model(cfg: JobConfig, strict: bool, report: Report) -> None:
@@ -146,6 +161,8 @@ def check_data_file(
 
         sample_check = partial(pair_check, unpaired=objective == "kto", columns=columns)
 
+    if _hub_note(path, what, report):
+        return
     if not strict and not path.startswith("s3://"):
         try:
             list_local(path)

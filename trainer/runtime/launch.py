@@ -363,6 +363,9 @@ def _write_summary(run: Any, summary: dict[str, Any]) -> None:
 
 def run_job(cfg: JobConfig) -> dict[str, Any]:
     from trainer.runtime.worker import is_torchrun_env
+    from trainer.storage.hub import resolve_job
+
+    cfg = resolve_job(cfg)  # Hub ids: fetched into shared storage, pinned, recorded
 
     torchrun = is_torchrun_env()
     rank = int(os.environ.get("RANK", 0)) if torchrun else 0

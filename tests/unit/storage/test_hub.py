@@ -1,0 +1,162 @@
+"""Hub ids as model and data paths, resolved by huggingface_hub itself in offline mode
+(HF_HUB_OFFLINE=1) over a cache in its documented layout (blobs/, snapshots/<commit>/,
+refs/main): a tiny Llama and a tiny preference dataset resolve to folders the trainer
+reads as local ones, the commit is recorded in the run's folder and a second attempt stays
+on it after the branch moved, and an id that cannot be resolved is one line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from trainer.config import load_config
+from trainer.errors import UserError
+from trainer.storage import hub
+
+MODEL, DATA = "tiny-org/tiny-llama", "tiny-org/tiny-pairs"
+CARD = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: data/train-*.jsonl
+  - split: test
+    path: data/test-*.jsonl
+---
+# tiny pairs
+"""
+
+
+def _commit(cache: Path, repo_type: str, repo_id: str, files: dict[str, bytes], n: int) -> str:
+    """One commit of a repository in huggingface_hub's cache layout: each file a blob named
+    by its hash, linked from snapshots/<commit>/, and refs/main naming the commit."""
+    root = cache / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    commit = hashlib.sha1(f"{repo_id}{n}".encode()).hexdigest()
+    for name, data in files.items():
+        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = root / "snapshots" / commit / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+    return commit
+
+
+def _rows(n: int, answer: str) -> bytes:
+    rows = [{"prompt": f"q{i}", "chosen": f"{answer} {i}", "rejected": f"no {i}"} for i in range(n)]
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+def _cfg(tmp: Path, model: str = MODEL, data: str = f"hf://datasets/{DATA}", run: str = "r1"):
+    return load_config(
+        {
+            "model": {"path": model},
+            "data": {"train_file": data, "block_size": 64, "cache_dir": str(tmp / "shared")},
+            "train": {"objective": "dpo", "max_steps": 1},
+            "scaling": {"num_workers": 1},
+            "storage": {"path": str(tmp / "runs")},
+            "run": {"name": run},
+        }
+    )
+
+
+def _hub_cache(tiny, tmp: Path) -> tuple[Path, str, str]:
+    cache = tmp / "shared" / "hub"
+    files = {p.name: p.read_bytes() for p in Path(tiny["model"]).iterdir() if p.is_file()}
+    model = _commit(cache, "model", MODEL, files, 0)
+    data = {
+        "README.md": CARD.encode(),
+        "data/train-00000.jsonl": _rows(4, "yes"),
+        "data/test-00000.jsonl": _rows(2, "yes"),
+    }
+    return cache, model, _commit(cache, "dataset", DATA, data, 0)
+
+
+def test_hub_ids_resolve_offline_and_are_pinned(tiny, tmp_path: Path, offline) -> None:
+    from transformers import AutoConfig
+
+    from trainer.data.sources import list_local
+    from trainer.objectives.rows import parse_pair
+
+    cache, model_rev, data_rev = _hub_cache(tiny, tmp_path)
+    cfg = hub.resolve_job(_cfg(tmp_path))
+    # The model: the snapshot folder, read as any local model folder.
+    assert (
+        Path(cfg.model.path) == cache / f"models--{MODEL.replace('/', '--')}/snapshots/{model_rev}"
+    )
+    assert AutoConfig.from_pretrained(cfg.model.path).model_type == "llama"
+    # The dataset: the card's train split, and only it.
+    files = list_local(cfg.data.train_file)
+    assert [Path(f.uri).name for f in files] == ["train-00000.jsonl"]
+    assert parse_pair(json.loads(Path(files[0].uri).read_text().splitlines()[0]))[0] is not None
+    record = json.loads((tmp_path / "runs" / "r1" / hub.RECORD).read_text())
+    assert record[MODEL]["revision"] == model_rev
+    assert record[f"hf://datasets/{DATA}"]["revision"] == data_rev
+
+    # The branch moves on: this run's next attempt stays on its commit and reuses the
+    # fetched copy; a new run takes the new commit.
+    new = {"README.md": CARD.encode(), "data/train-00000.jsonl": _rows(6, "yes")}
+    moved = _commit(cache, "dataset", DATA, new, 1)
+    again = hub.resolve_job(_cfg(tmp_path))
+    assert again.data.train_file == cfg.data.train_file and data_rev in again.data.train_file
+    other = hub.resolve_job(_cfg(tmp_path, run="r2"))
+    assert moved in other.data.train_file
+    assert len(Path(list_local(other.data.train_file)[0].uri).read_text().splitlines()) == 6
+
+
+def test_a_named_split_and_a_pinned_revision(tiny, tmp_path: Path, offline) -> None:
+    _, model_rev, data_rev = _hub_cache(tiny, tmp_path)
+    cfg = hub.resolve_job(
+        _cfg(tmp_path, model=f"hf://{MODEL}@{model_rev}", data=f"hf://datasets/{DATA}/default:test")
+    )
+    assert cfg.model.path.endswith(model_rev)
+    assert cfg.data.train_file.endswith("data/test-*.jsonl") and data_rev in cfg.data.train_file
+
+
+@pytest.mark.parametrize(
+    ("model", "data", "problem"),
+    [
+        ("tiny-org/missing", f"hf://datasets/{DATA}", "holds no copy of tiny-org/missing@main"),
+        (MODEL, f"hf://datasets/{DATA}:validation", "has no split 'validation'"),
+        (MODEL, f"hf://datasets/{DATA}/other:train", "has configs default; name one"),
+        (MODEL, "hf://datasets/just-a-name", "not a Hub id"),
+    ],
+)
+def test_unresolvable_ids_are_one_line(tiny, tmp_path, offline, model, data, problem) -> None:
+    _hub_cache(tiny, tmp_path)
+    with pytest.raises(UserError) as err:
+        hub.resolve_job(_cfg(tmp_path, model=model, data=data))
+    assert problem in str(err.value) and "\n" not in str(err.value)
+
+
+def test_what_counts_as_a_hub_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = hub.parse("hf://datasets/org/name@abc/cfg:test", dataset=True)
+    assert ref == hub.HubRef(
+        "hf://datasets/org/name@abc/cfg:test", "dataset", "org/name", "abc", "cfg", "test"
+    )
+    assert (
+        hub.parse("Qwen/Qwen2.5-7B-Instruct", dataset=False).repo_id == "Qwen/Qwen2.5-7B-Instruct"
+    )
+    assert hub.parse("HuggingFaceH4/ultrafeedback_binarized", dataset=True).repo_type == "dataset"
+    assert hub.parse("data/train.jsonl", dataset=True) is None  # a data file name
+    assert hub.parse("/abs/model", dataset=False) is None and hub.parse("s3://b/m", False) is None
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    assert hub.parse("models/mine", dataset=False) is None  # a local folder wins
+    job = _cfg(tmp_path, model=str(tmp_path / "models" / "mine"), data=str(tmp_path / "d.jsonl"))
+    assert hub.resolve_job(job) is job  # no Hub ids: nothing fetched or recorded
+    assert not (tmp_path / "runs").exists()
