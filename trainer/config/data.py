@@ -61,7 +61,7 @@ class DataSection(_Section):
         'Alpaca {"instruction", "input", "output"}, {"messages": [{"role", "content"}, ...]} '
         '(tool calls and a "tools" column too) or ShareGPT {"conversations": [{"from", '
         '"value"}]}, one shape per source (docs/data.md). Files are read in sorted path order. '
-        "Or a list of such sources, each a path or {path, weight, name}: every block of a "
+        "Or a list of such sources, each a path or {path, weight, name, columns}: every block of a "
         "global batch is drawn from source i with probability weight_i / sum of weights."
     )
     eval_file: str | list[str | SourceSpec] | None = Field(
