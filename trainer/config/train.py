@@ -42,9 +42,9 @@ class PreferenceSection(_Section):
     beta: float | None = Field(
         default=None,
         gt=0,
-        description="dpo/hinge: the KL strength; ipo: the regularisation tau; simpo: the "
+        description="dpo/hinge/kto: the KL strength; ipo: the regularisation tau; simpo: the "
         "reward scale; orpo: lambda, the odds-ratio weight. null: 0.1 (dpo, ipo, hinge, "
-        "orpo: TRL's defaults), 2.0 (simpo: the SimPO paper's).",
+        "orpo, kto: TRL's defaults), 2.0 (simpo: the SimPO paper's).",
     )
     simpo_gamma: float = Field(
         default=1.0,
