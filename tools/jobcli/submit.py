@@ -24,6 +24,7 @@ from tools.jobcli.presets import preset_overrides
 from trainer.config import JobConfig, load_config
 from trainer.errors import UserError
 from trainer.planner.report import submit_refusal
+from trainer.storage import hub
 
 log = logging.getLogger("raylift.submit")
 _PATH_FIELDS = (
@@ -42,6 +43,8 @@ def absolutize(cfg: JobConfig, base: Path) -> JobConfig:
     data = cfg.model_dump(mode="json")
 
     def absolute(value: str) -> str:
+        if hub.parse(value, dataset=False) if value else False:  # org/name: a Hub id
+            return value
         if value and "://" not in value and not Path(value).is_absolute():
             return str((base / value).resolve())
         return value

@@ -160,3 +160,15 @@ def test_what_counts_as_a_hub_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     job = _cfg(tmp_path, model=str(tmp_path / "models" / "mine"), data=str(tmp_path / "d.jsonl"))
     assert hub.resolve_job(job) is job  # no Hub ids: nothing fetched or recorded
     assert not (tmp_path / "runs").exists()
+
+
+def test_submit_keeps_hub_ids_as_written(tmp_path: Path) -> None:
+    """`raylift run` makes relative paths absolute; a Hub id is no path."""
+    from tools.jobcli.submit import absolutize
+
+    job = _cfg(tmp_path, model="Qwen/Qwen2.5-0.5B-Instruct", data="HuggingFaceH4/tiny_pairs")
+    out = absolutize(job, tmp_path)
+    assert out.model.path == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert out.data.train_file == "HuggingFaceH4/tiny_pairs"
+    rel = absolutize(_cfg(tmp_path, data="data/train.jsonl"), tmp_path)
+    assert rel.data.train_file == str(tmp_path / "data" / "train.jsonl")
