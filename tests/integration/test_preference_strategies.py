@@ -6,7 +6,9 @@ model's log-probs. The summed loss and the grad norm must equal
 one process computing the whole batch (the objective TRL's losses are checked against in
 tests/unit/objectives), to 1e-5 relative: DDP, FSDP2, ZeRO-2 and ZeRO-3 against a
 precomputed reference column, LoRA on DDP and on FSDP2 and QLoRA on DDP (bitsandbytes'
-4-bit base) against the adapter-off reference."""
+4-bit base) against the adapter-off reference. KTO the same way on ZeRO-3 (column) and
+FSDP2 with LoRA (adapter-off): the batch's rows are KTO rows, the rejected half their
+mismatched (KL) sequences, and the KL estimate is averaged across the ranks."""
 
 from __future__ import annotations
 
@@ -33,9 +35,15 @@ LAYOUTS = {
     "fsdp-lora": ({"name": "fsdp"}, "lora"),
     "ddp-qlora": ({"name": "ddp"}, "qlora"),
 }
+KTO_LAYOUTS = {  # KTO's extra no-grad forwards and its cross-rank KL estimate, on the two
+    # layouts that shard parameters: ZeRO-3 against the column, FSDP2 with LoRA adapter-off
+    "kto-zero3": ({"name": "deepspeed", "config": "zero3"}, "none"),
+    "kto-fsdp-lora": ({"name": "fsdp"}, "lora"),
+}
+DESIRABLE = torch.tensor([True, False, False, True])
 
 
-def _cfg(model_dir: str, strategy: dict, adapter: str, world: int):
+def _cfg(model_dir: str, strategy: dict, adapter: str, world: int, objective: str = "dpo"):
     from trainer.config import JobConfig
 
     return JobConfig.model_validate(
@@ -43,7 +51,7 @@ def _cfg(model_dir: str, strategy: dict, adapter: str, world: int):
             "model": {"path": model_dir, "adapter": adapter},
             "data": {"train_file": "unused.jsonl", "block_size": BLOCK},
             "strategy": strategy,
-            "train": {"objective": "dpo", "micro_batch_size": PAIRS // world, "max_steps": 1},
+            "train": {"objective": objective, "micro_batch_size": PAIRS // world, "max_steps": 1},
             "optim": {"grad_clip": None},
             "scaling": {"num_workers": world},
             "run": {"name": "pref-strategies"},
@@ -69,10 +77,15 @@ def _run(strategy, ids, labels, ref, rows, world):
     over the global pairs / world) and global grad norm of one step on `rows`."""
     import torch.distributed as dist
 
+    if strategy.objective.name == "kto":  # a reference 40 nats below: a live KL estimate
+        ref = ref - 40
     column = ref[rows] if strategy.objective.column_reference else None
+    kw = (
+        {"desirable": DESIRABLE[rows[: len(rows) // 2]]} if strategy.objective.name == "kto" else {}
+    )
     with strategy.accumulating(True):
         loss = strategy.train_micro(
-            ids[rows], labels[rows], torch.tensor(PAIRS / world), ref=column
+            ids[rows], labels[rows], torch.tensor(PAIRS / world), ref=column, **kw
         )
     if world > 1:
         dist.all_reduce(loss)
@@ -117,6 +130,15 @@ def _worker(
         result[name] = _run(s, ids, labels, ref, _half(rank, world), world)
         dist.barrier()
         del s
+    for name, (strategy_opts, adapter) in KTO_LAYOUTS.items():  # rows, then KL sequences
+        torch.manual_seed(0)
+        cfg = _cfg(model_dir, strategy_opts, adapter, world, "kto")
+        s = build_strategy(cfg, torch.device("cpu"), rank, world)
+        s.setup(ModelSource(Path(model_dir), vocab))
+        s.model.train()
+        result[name] = _run(s, ids, labels, ref, _half(rank, world), world)
+        dist.barrier()
+        del s
     if rank == 0:
         Path(out).write_text(json.dumps(result))
     dist.barrier()
@@ -129,12 +151,16 @@ def _single(model_dir: str, vocab: int) -> dict[str, tuple[float, float]]:
 
     ids, labels, ref = _batch(vocab)
     out = {}
-    for adapter in ("none", "lora", "qlora"):
+    for objective, adapter in [(o, a) for o in ("dpo", "kto") for a in ("none", "lora", "qlora")]:
+        if objective == "kto" and adapter == "qlora":
+            continue
         torch.manual_seed(0)
-        s = build_strategy(_cfg(model_dir, {"name": "ddp"}, adapter, 1), torch.device("cpu"), 0, 1)
+        cfg = _cfg(model_dir, {"name": "ddp"}, adapter, 1, objective)
+        s = build_strategy(cfg, torch.device("cpu"), 0, 1)
         s.setup(ModelSource(Path(model_dir), vocab))
         s.model.train()
-        out[adapter] = _run(s, ids, labels, ref, torch.arange(2 * PAIRS), 1)
+        key = adapter if objective == "dpo" else f"kto-{adapter}"
+        out[key] = _run(s, ids, labels, ref, torch.arange(2 * PAIRS), 1)
     return out
 
 
@@ -186,6 +212,13 @@ def test_preference_loss_and_grads_on_every_strategy(tiny, tmp_path, monkeypatch
     assert single["none"][0] != pytest.approx(single["lora"][0])  # the reference matters
     for name, (_, adapter) in LAYOUTS.items():
         want_loss, want_norm = single[adapter]
+        loss, norm = got[name]
+        assert loss == pytest.approx(want_loss, rel=1e-5), name
+        assert norm == pytest.approx(want_norm, rel=1e-5), name
+    # KTO: each rank a half of the rows, its KL estimate over both ranks' mismatched rows
+    assert single["kto-none"][0] != pytest.approx(single["kto-lora"][0])
+    for name, (_, adapter) in KTO_LAYOUTS.items():
+        want_loss, want_norm = single[f"kto-{adapter}"]
         loss, norm = got[name]
         assert loss == pytest.approx(want_loss, rel=1e-5), name
         assert norm == pytest.approx(want_norm, rel=1e-5), name

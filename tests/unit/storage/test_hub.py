@@ -6,46 +6,18 @@ on it after the branch moved, and an id that cannot be resolved is one line."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from pathlib import Path
 
 import pytest
 
+from tests.support.hub import card, commit, model_files
 from trainer.config import load_config
 from trainer.errors import UserError
 from trainer.storage import hub
 
 MODEL, DATA = "tiny-org/tiny-llama", "tiny-org/tiny-pairs"
-CARD = """---
-configs:
-- config_name: default
-  data_files:
-  - split: train
-    path: data/train-*.jsonl
-  - split: test
-    path: data/test-*.jsonl
----
-# tiny pairs
-"""
-
-
-def _commit(cache: Path, repo_type: str, repo_id: str, files: dict[str, bytes], n: int) -> str:
-    """One commit of a repository in huggingface_hub's cache layout: each file a blob named
-    by its hash, linked from snapshots/<commit>/, and refs/main naming the commit."""
-    root = cache / f"{repo_type}s--{repo_id.replace('/', '--')}"
-    commit = hashlib.sha1(f"{repo_id}{n}".encode()).hexdigest()
-    for name, data in files.items():
-        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        blob.write_bytes(data)
-        link = root / "snapshots" / commit / name
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(os.path.relpath(blob, link.parent))
-    (root / "refs").mkdir(exist_ok=True)
-    (root / "refs" / "main").write_text(commit)
-    return commit
+CARD = card({"train": "data/train-*.jsonl", "test": "data/test-*.jsonl"})
 
 
 def _rows(n: int, answer: str) -> bytes:
@@ -76,14 +48,13 @@ def _cfg(tmp: Path, model: str = MODEL, data: str = f"hf://datasets/{DATA}", run
 
 def _hub_cache(tiny, tmp: Path) -> tuple[Path, str, str]:
     cache = tmp / "shared" / "hub"
-    files = {p.name: p.read_bytes() for p in Path(tiny["model"]).iterdir() if p.is_file()}
-    model = _commit(cache, "model", MODEL, files, 0)
+    model = commit(cache, "model", MODEL, model_files(Path(tiny["model"])), 0)
     data = {
-        "README.md": CARD.encode(),
+        "README.md": CARD,
         "data/train-00000.jsonl": _rows(4, "yes"),
         "data/test-00000.jsonl": _rows(2, "yes"),
     }
-    return cache, model, _commit(cache, "dataset", DATA, data, 0)
+    return cache, model, commit(cache, "dataset", DATA, data, 0)
 
 
 def test_hub_ids_resolve_offline_and_are_pinned(tiny, tmp_path: Path, offline) -> None:
@@ -109,8 +80,8 @@ def test_hub_ids_resolve_offline_and_are_pinned(tiny, tmp_path: Path, offline) -
 
     # The branch moves on: this run's next attempt stays on its commit and reuses the
     # fetched copy; a new run takes the new commit.
-    new = {"README.md": CARD.encode(), "data/train-00000.jsonl": _rows(6, "yes")}
-    moved = _commit(cache, "dataset", DATA, new, 1)
+    new = {"README.md": CARD, "data/train-00000.jsonl": _rows(6, "yes")}
+    moved = commit(cache, "dataset", DATA, new, 1)
     again = hub.resolve_job(_cfg(tmp_path))
     assert again.data.train_file == cfg.data.train_file and data_rev in again.data.train_file
     other = hub.resolve_job(_cfg(tmp_path, run="r2"))
