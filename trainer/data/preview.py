@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+ONLINE = ("grpo", "rloo")
+"""Objectives whose data are prompts the policy answers during training: nothing to mark."""
 GREEN, DIM, RESET = "\x1b[32m", "\x1b[2m", "\x1b[0m"
 OPEN, CLOSE = "[[", "]]"
 """How trained tokens are marked: green (the rest dimmed) on a terminal, else brackets."""
@@ -143,33 +145,47 @@ def count_pairs(
     marker: Marker,
     report: ScanReport,
 ) -> Counts:
-    """Preference pairs: both sides of each shown pair together, each completion marked."""
+    """Preference pairs: both sides of each shown pair together, each completion marked.
+    KTO's unpaired rows: the prompt and the one completion, with its label."""
     from trainer.objectives.pairs import PairEncoder, cut_pair, pair_settings
-    from trainer.objectives.rows import iter_pairs
+    from trainer.objectives.rows import iter_pairs, iter_unpaired
 
     ps = pair_settings(cfg, settings)
     enc, counts = PairEncoder(tokenizer, ps), Counts()
+    kto = cfg.train.objective == "kto"
+    rows_of = iter_unpaired if kto else iter_pairs
 
     def read(src: SourceFile) -> Iterator[Any]:
-        return iter_pairs(src, ps.on_bad_line, report, ps.endpoint, ps.region)
+        return rows_of(src, ps.on_bad_line, report, ps.endpoint, ps.region, dict(ps.columns))
 
-    pairs = list(_rows(sources, sample + 1, read))
-    counts.complete = len(pairs) <= sample
-    report.shape = "preference pairs"
-    for pair in pairs[:sample]:
-        prompt, chosen, rejected = enc.encode(pair)
-        prompt, chosen, rejected, cut = cut_pair(
-            prompt, chosen, rejected, ps.block_size, ps.max_prompt_tokens
-        )
+    rows = list(_rows(sources, sample + 1, read))
+    counts.complete = len(rows) <= sample
+    kinds = sorted({getattr(r, "shape", "") for r in rows} - {""})
+    report.shape = "unpaired feedback (KTO)" if kto else "preference pairs"
+    if kinds:
+        report.shape += f": {', '.join(kinds)}"
+    for row in rows[:sample]:
+        if kto:
+            prompt, (ids,) = enc.split(row.prompt, (row.completion,))
+            prompt, ids, _, cut = cut_pair(prompt, ids, ids, ps.block_size, ps.max_prompt_tokens)
+            sides = [("desirable" if row.desirable else "undesirable", ids)]
+        else:
+            prompt, chosen, rejected = enc.encode(row)
+            prompt, chosen, rejected, cut = cut_pair(
+                prompt, chosen, rejected, ps.block_size, ps.max_prompt_tokens
+            )
+            sides = [("chosen", chosen), ("rejected", rejected)]
         counts.rows += 1
         counts.cut += cut
-        counts.tokens += 2 * len(prompt) + len(chosen) + len(rejected)
-        counts.trained += len(chosen) + len(rejected)
-        if len(counts.shown) < show:
-            n = len(counts.shown) + 1
-            for side, ids in (("chosen", chosen), ("rejected", rejected)):
+        counts.tokens += sum(len(prompt) + len(ids) for _, ids in sides)
+        counts.trained += sum(len(ids) for _, ids in sides)
+        if len(counts.shown) < show * len(sides):
+            n = len(counts.shown) // len(sides) + 1
+            for side, ids in sides:
                 mask = [0] * len(prompt) + [1] * len(ids)
-                counts.shown.append(marker.row(f"pair {n} {side}", prompt + ids, mask))
+                counts.shown.append(
+                    marker.row(f"{'row' if kto else 'pair'} {n} {side}", prompt + ids, mask)
+                )
     return counts
 
 
@@ -204,6 +220,9 @@ def preview(
             report = ScanReport()
             if cfg.train.objective == "sft":
                 counts = count_sft(sources, tokenizer, settings, sample, show, marker, report)
+            elif cfg.train.objective in ONLINE:
+                out.append(f"{which} source {spec.name} ({spec.path}): prompts for online RL")
+                continue
             else:
                 counts = count_pairs(
                     cfg, sources, tokenizer, settings, sample, show, marker, report

@@ -327,7 +327,8 @@ def describe(report: ScanReport, columns: Mapping[str, str] | None = None) -> st
     fields (validation, the plan, the run's first log lines and `raylift data` say it)."""
     if report.shape is None:
         return "no rows read"
-    trained = "; ".join(SHAPES[s].trained for s in report.shape.split(" + "))
+    parts = report.shape.split(" + ")
+    trained = "; ".join(SHAPES[s].trained if s in SHAPES else "the completions" for s in parts)
     out = f"read as {report.shape} (trained: {trained})"
     if columns:
         out += "; columns " + ", ".join(f"{t} ← {s}" for t, s in columns.items())

@@ -99,3 +99,66 @@ def test_a_missing_column_is_one_line(data_job, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert re.match(r"error: .*qa\.jsonl:1: missing column 'q' \(for prompt\)", err), err
+
+
+def test_pairs_show_chosen_beside_rejected_and_kto_rows_their_label(job, tmp_path, capsys):
+    """Mapped pair columns; each pair's two sides one after the other, the prompt shared
+    and unmarked, each completion marked; a KTO row's completion marked with its label."""
+    from tests.support.preference import write_pairs
+    from trainer.__main__ import main
+
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [json.loads(line) for line in write_pairs(pairs, 5).read_text().splitlines()]
+    pairs.write_text(
+        "".join(
+            json.dumps({"q": r["prompt"], "response_j": r["chosen"], "response_k": r["rejected"]})
+            + "\n"
+            for r in rows
+        )
+    )
+    path = job(
+        "pairs",
+        model={"special_tokens": None},
+        data={
+            "train_file": str(pairs),
+            "eval_file": None,
+            "block_size": 40,
+            "columns": {"prompt": "q", "chosen": "response_j", "rejected": "response_k"},
+        },
+        train={"objective": "dpo"},
+    )
+    assert main(["data", str(path), "--rows", "2", "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    assert "read as preference pairs" in out and "every row: 5 rows" in out
+    shown = re.findall(r"  pair (\d) (chosen|rejected) .*\n    (.*)\n", out)
+    assert [(n, side) for n, side, _ in shown] == [
+        ("1", "chosen"),
+        ("1", "rejected"),
+        ("2", "chosen"),
+        ("2", "rejected"),
+    ]
+    for (_, _, chosen), (_, _, rejected), row in zip(shown[::2], shown[1::2], rows, strict=False):
+        assert chosen.split("[[")[0] == rejected.split("[[")[0] == f"<s>{row['prompt']}"
+        assert chosen.split("[[")[1] == f"{row['chosen']}</s>]]"
+        assert rejected.split("[[")[1] == f"{row['rejected']}</s>]]"
+
+    kto = write(
+        tmp_path / "kto.jsonl",
+        [{"prompt": "2 plus 3?", "completion": "5.", "label": True}] * 3
+        + [{"prompt": "2 plus 3?", "completion": "6.", "label": False}],
+    )
+    path = job(
+        "kto",
+        model={"special_tokens": None},
+        data={"train_file": str(kto), "eval_file": None, "block_size": 40},
+        train={"objective": "kto"},
+    )
+    assert main(["data", str(path), "--rows", "4", "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    assert "read as unpaired feedback (KTO)" in out and "every row: 4 rows" in out
+    assert re.findall(r"  row \d (\w+) .*\n    <s>2 plus 3\?\[\[(.*)\]\]", out) == [
+        ("desirable", "5.</s>"),
+        ("desirable", "5.</s>"),
+        ("desirable", "5.</s>"),
+        ("undesirable", "6.</s>"),
+    ]
