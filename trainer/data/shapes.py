@@ -154,8 +154,12 @@ def fit(row: dict[str, Any]) -> tuple[str | None, str | None]:
     if len(exact) == 1:
         return exact[0].name, None
     fields = ", ".join(have) or "none of " + ", ".join(sorted(SHAPE_FIELDS))
-    if len(candidates) >= 2:
-        names = " and ".join(f"{s.name} ({', '.join(s.required)})" for s in candidates[:2])
+    distinct: list[Shape] = []  # chat and tool use require the same field: name chat
+    for shape in candidates:
+        if all(d.required != shape.required for d in distinct):
+            distinct.append(shape)
+    if len(distinct) >= 2:
+        names = " and ".join(f"{s.name} ({', '.join(s.required)})" for s in distinct[:2])
         return None, (
             f"the row fits two shapes, {names} (fields: {fields}); drop or rename the other "
             "shape's fields (data.columns maps a file's names)"

@@ -243,6 +243,11 @@ def test_prompt_completion_and_mapped_columns(tmp_path, tokenizer):
         ({"instruction": "a", "input": "b", "prompt": "p", "completion": "c"}, "fits two shapes"),
         ({"question": "a", "answer": "b"}, "fits no shape"),
         (
+            {"messages": [{"role": "user", "content": "a"}], "prompt": "b", "completion": "c"},
+            "fits two shapes, prompt/completion \\(prompt, completion\\) and chat \\(messages\\)",
+        ),
+        ({"messages": [{"role": "user", "content": "a"}], "system": "b"}, "fits no shape"),
+        (
             {"instruction": "a", "input": "b"},
             "fits no shape \\(its shape fields: instruction, input\\)",
         ),
