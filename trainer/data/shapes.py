@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.data.sources import Example, ScanReport, SourceFile, iter_parsed, list_local
-from trainer.errors import DataError
+from trainer.errors import DataError, UserError
 
 
 @dataclass(frozen=True)
@@ -375,3 +375,24 @@ def sample_check(
     if seen == 0 and scan.skipped == 0 and len(files) == 1:
         raise DataError(f"{what} {first.uri}: the file has no documents")
     return f"{what} {spec}: {describe(scan, columns)}"
+
+
+def plan_notes(cfg: Any, limit: int = 200) -> list[str]:
+    """The plan's lines on the data: the shape each local SFT source's first rows were read
+    as (the same note validation prints), or why they could not be read, without failing
+    the plan: a plan is asked for before the data is final too."""
+    if cfg.train.objective != "sft":
+        return []
+    notes = []
+    for which in ("train", "eval"):
+        for spec in cfg.data.sources(which):
+            what = f"data.{which}_file ({spec.name})"
+            try:
+                note = sample_check(
+                    spec.path, what, cfg.data.on_bad_line, limit, cfg.data.columns_for(spec)
+                )
+            except UserError as exc:
+                note = f"{what}: {exc}"
+            if note:
+                notes.append(note)
+    return notes

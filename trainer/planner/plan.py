@@ -419,4 +419,7 @@ def plan_job(
     )
     ram_tier = plan_note(cfg, result, shape)  # where the host-RAM check turns auto off
     result.notes += [ram_tier] if ram_tier else []
+    from trainer.data.shapes import plan_notes  # which shape each data source is read as
+
+    result.notes += plan_notes(cfg)
     return result

@@ -309,3 +309,18 @@ def test_validation_names_the_shape_and_checks_columns(tmp_path, job):
         )
     with pytest.raises(UserError, match="unknown target field 'answer'"):
         load_config(path, ['data.columns={"answer": "a"}'])
+
+
+def test_the_plan_names_each_sources_shape(tmp_path, job):
+    from trainer.config import load_config
+    from trainer.planner.plan import plan_job
+
+    alpaca = write(tmp_path / "alpaca.jsonl", ALPACA)
+    path = job(data={"train_file": [str(alpaca), str(tmp_path / "elsewhere.jsonl")]})
+    notes = plan_job(load_config(path), "g5.xlarge").notes
+    assert any(
+        n.startswith("data.train_file (alpaca)") and "read as alpaca (trained: the output)" in n
+        for n in notes
+    ), notes
+    # a source not on this machine is a note, not a failed plan
+    assert any("elsewhere.jsonl: data not found" in n for n in notes), notes
