@@ -154,6 +154,12 @@ def check_data_file(
         from trainer.data.shapes import sample_check as sft_check
 
         sample_check = partial(sft_check, columns=columns)
+    elif objective in ("grpo", "rloo"):  # online RL: prompt rows
+        from functools import partial
+
+        from trainer.rollouts.rows import sample_check as prompt_check
+
+        sample_check = partial(prompt_check, columns=columns)
     else:  # preference pairs, or KTO's unpaired rows
         from functools import partial
 

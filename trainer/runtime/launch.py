@@ -31,6 +31,11 @@ log = logging.getLogger("trainer.runtime.launch")
 def prepare_inputs(cfg: JobConfig, progress: bool = True) -> Prepared:
     """Resolve model/tokenizer folders (downloading S3 ones to this node) and tokenize the
     data into caches next to it, which every worker then memory-maps."""
+    if cfg.train.objective in ("grpo", "rloo"):  # online RL: prompt rows, read once here
+        from trainer.checkpoint.past_runs import for_driver
+        from trainer.rollouts.prompts import prepare_prompts
+
+        return Prepared(train_caches=prepare_prompts(cfg), past_faults=for_driver(cfg))
     from trainer.data.tokenize import TokenizerFiles
     from trainer.model.loading import local_tokenizer_dir
 
