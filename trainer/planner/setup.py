@@ -1,7 +1,8 @@
 """The job as the planner sees it: the memory-relevant choices flattened out of the config
-once (`Setup`), and resolved for the model's family (`for_model`). The lowest rung of the
-planner beside the model's shape: memory, the device lines, history, the tiers and the plan
-all read a Setup, and none of them has to import another to get one.
+once (`Setup`), resolved for the model's family (`for_model`), and the share of the model
+one rank holds under tp and pp (`rank_params`). The lowest rung of the planner beside the
+model's shape: memory, traffic, the device lines, history, the tiers and the plan all read
+a Setup, and none of them has to import another to get one.
 """
 
 from __future__ import annotations
