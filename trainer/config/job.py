@@ -126,6 +126,12 @@ class JobConfig(_Section):
                 f"data.train_file: a list of sources with train.objective {objective} is not "
                 "supported in this build; give one file, folder or glob of prompt rows"
             )
+        if self.scaling.elastic:
+            raise ValueError(
+                f"scaling.num_workers: [min, max] (elastic) is not supported with "
+                f"train.objective {objective} in this build (each worker samples whole groups "
+                "of a fixed share); give one number"
+            )
         if self.data.eval_file is not None:
             raise ValueError(
                 f"data.eval_file: not supported with train.objective {objective} in this build "

@@ -138,8 +138,6 @@ def _rloo_loss(
     }
 
 
-
-
 class GRPO:
     """The loop's objective for grpo and rloo: the feed samples, the loss learns."""
 
@@ -232,11 +230,13 @@ class GRPO:
             sum(s.reward_sq for s in stats),
             sum(s.length_sum for s in stats),
             sum(s.truncated for s in stats),
+            sum(s.kl_sum for s in stats),
+            sum(s.kl_tokens for s in stats),
             *[sum(s.per_function[j] for s in stats) for j in range(len(names))],
             *(self._sums.tolist() if self._sums is not None else [0.0] * 7),
         ]
         self._sums = None
-        n, r, r2, length, truncated, *rest = all_reduce(local)
+        n, r, r2, length, truncated, rollout_kl, rollout_tokens, *rest = all_reduce(local)
         per_function, (tokens, kl, entropy, clip_n, low, high, region) = (
             rest[: len(names)],
             rest[len(names) :],
@@ -255,6 +255,8 @@ class GRPO:
             out["entropy"] = entropy / tokens
             if self.s.beta != 0.0 and self.s.loss_type != "rloo":
                 out["kl"] = kl / tokens
+        if self.s.beta != 0.0 and self.s.loss_type == "rloo" and rollout_tokens:
+            out["kl"] = rollout_kl / rollout_tokens  # TRL's rloo: at sampling, first order
         if clip_n:
             out["clip_ratio/low_mean"] = low / clip_n
             out["clip_ratio/high_mean"] = high / clip_n

@@ -46,6 +46,8 @@ class RolloutStats:
     per_function: list[float] = field(default_factory=list)
     length_sum: float = 0.0
     truncated: float = 0.0
+    kl_sum: float = 0.0  # rloo with beta > 0: sum of (sampling - reference) log-probs
+    kl_tokens: float = 0.0
     samples: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -152,9 +154,10 @@ class RolloutFeed:
         if self.reference_logps is not None:
             ref = self.reference_logps(ids, attention, width)
         advantages = self._advantages(reward, old, ref, mask)
+        kl = float(((old - ref) * mask).sum()) if ref.shape[1] and old.shape[1] else 0.0
         if self.cfg.train.objective == "rloo":
             old = (old * mask).sum(1, keepdims=True).astype(np.float32)
-        self._record(step, values, reward, completion_ids, mask, prompts, texts)
+        self._record(step, values, reward, completion_ids, mask, prompts, texts, kl)
         micro = self.cfg.train.micro_batch_size
         parts = (ids, attention, mask, advantages.astype(np.float32), old, ref)
         return [tuple(a[s : s + micro] for a in parts) for s in range(0, len(ids), micro)]
@@ -205,7 +208,7 @@ class RolloutFeed:
         dist.all_gather(parts, t)
         return torch.cat(parts).cpu()
 
-    def _record(self, step, values, reward, completion_ids, mask, prompts, texts) -> None:
+    def _record(self, step, values, reward, completion_ids, mask, prompts, texts, kl) -> None:
         every = self.rl.log_completions_every
         samples = []
         if every and (step + 1) % every == 0:
@@ -229,6 +232,8 @@ class RolloutFeed:
                 per_function=values.sum(0).tolist(),
                 length_sum=float(sum(len(c) for c in completion_ids)),
                 truncated=float(sum(1 for c in completion_ids if not c or c[-1] != eos)),
+                kl_sum=kl,
+                kl_tokens=float(mask.sum()),
                 samples=samples,
             )
         )

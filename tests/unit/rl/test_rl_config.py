@@ -108,6 +108,13 @@ def test_sharded_weights_refused_for_now(strategy) -> None:
     assert _cfg(strategy={"name": "deepspeed", "config": "zero2"}).strategy.name == "deepspeed"
 
 
+def test_elastic_refused() -> None:
+    with pytest.raises(
+        ConfigError, match=r"\(elastic\) is not supported with train\.objective grpo"
+    ):
+        _cfg(scaling={"num_workers": [1, 2]})
+
+
 def test_document_packing_refused() -> None:
     with pytest.raises(
         ConfigError, match=r"data\.attention: document does not apply to train\.objective rloo"

@@ -33,16 +33,16 @@ class _Run:
         return SimpleNamespace(fs=self.fs, path=str(self.root / name))
 
 
-def _job(tiny, tmp_path: Path, **rl):
+def _job(tiny, tmp_path: Path, objective: str = "grpo", adapter: str = "none", **rl):
     rows = [{"question": f"what is {i} plus {i}?", "answer": f"#### {2 * i}"} for i in range(6)]
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return load_config(
         {
-            "model": {"path": str(tiny["model"])},
+            "model": {"path": str(tiny["model"]), "adapter": adapter},
             "data": {"train_file": str(data), "columns": {"prompt": "question"}},
             "train": {
-                "objective": "grpo",
+                "objective": objective,
                 "micro_batch_size": 4,
                 "grad_accum": 2,
                 "max_steps": 2,
@@ -129,16 +129,38 @@ def test_num_iterations_reuses_the_rollout_with_its_logps(tiny, tmp_path) -> Non
     assert np.allclose(old, ref, atol=1e-5)  # before any update the policy is the reference
 
 
-def test_a_training_step_and_its_metrics(setup, tmp_path) -> None:
-    _, strategy, objective, feed = setup
-    micro = feed.micro_batches(0)
+def _train_step(strategy, objective, micro) -> float:
     total = sum(objective.count(m) for m in micro)
     for i, m in enumerate(micro):
         x, y, kw = objective.inputs(m, torch.device("cpu"))
         with strategy.accumulating(i == len(micro) - 1):
             strategy.train_micro(x, y, torch.tensor(float(total)), **kw)
-    grad_norm = strategy.step()
-    assert grad_norm > 0
+    return strategy.step()
+
+
+@pytest.mark.parametrize(("objective", "adapter"), [("rloo", "none"), ("grpo", "lora")])
+def test_the_reference_starts_as_the_policy(tiny, tmp_path, objective, adapter) -> None:
+    """rloo (its default beta 0.05, a frozen copy) and grpo under LoRA (the adapter off):
+    before any update the reference's log-probs are the policy's, so kl is 0; after one,
+    the reference has not moved with the policy."""
+    beta = {} if objective == "rloo" else {"beta": 0.04}
+    cfg = _job(tiny, tmp_path, objective, adapter, **beta)
+    strategy, obj, feed = _feed(cfg, tiny, tmp_path)
+    micro = feed.micro_batches(0)
+    _, _, mask, _, old, ref = micro[0]
+    assert ref.shape == mask.shape
+    if objective == "rloo":
+        assert old.shape == (4, 1)  # summed per completion: its ratio is per sequence
+    assert _train_step(strategy, obj, micro) > 0
+    metrics = obj.metrics(lambda values: values)
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-5)
+    _train_step(strategy, obj, feed.micro_batches(1))  # sampled by the updated policy
+    assert obj.metrics(lambda values: values)["kl"] > 1e-6  # the reference stayed behind
+
+
+def test_a_training_step_and_its_metrics(setup, tmp_path) -> None:
+    _, strategy, objective, feed = setup
+    assert _train_step(strategy, objective, feed.micro_batches(0)) > 0
     metrics = objective.metrics(lambda values: values)
     for name in (
         "reward",
