@@ -1,5 +1,6 @@
-"""Rows → tokens once → sharded memory-mapped files: the settings and cache key, the encoder,
-the shards and the token cache (`prepare`).
+"""Rows → tokens once → sharded memory-mapped files: the cache key, the shards and the
+token cache (`prepare`). What a row means is `trainer.data.shapes`, how it becomes ids and
+a loss mask `trainer.data.encode`.
 
 The pipeline is nanoGPT-shaped on purpose. Each input file is tokenized once into its own
 shard of flat token ids (plus, for instruction and chat rows, a parallel byte per token that
