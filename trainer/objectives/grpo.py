@@ -232,11 +232,16 @@ class GRPO:
             sum(s.truncated for s in stats),
             sum(s.kl_sum for s in stats),
             sum(s.kl_tokens for s in stats),
+            1.0,  # this worker: the split's seconds are means over the workers
+            sum(s.generate_s for s in stats),
+            sum(s.reward_s for s in stats),
+            sum(s.logps_s for s in stats),
             *[sum(s.per_function[j] for s in stats) for j in range(len(names))],
             *(self._sums.tolist() if self._sums is not None else [0.0] * 7),
         ]
         self._sums = None
         n, r, r2, length, truncated, rollout_kl, rollout_tokens, *rest = all_reduce(local)
+        workers, generate_s, reward_s, logps_s, *rest = rest
         per_function, (tokens, kl, entropy, clip_n, low, high, region) = (
             rest[: len(names)],
             rest[len(names) :],
@@ -251,6 +256,11 @@ class GRPO:
             "completions/clipped_ratio": truncated / n,
         }
         out.update({f"rewards/{k}/mean": v / n for k, v in zip(names, per_function, strict=True)})
+        if generate_s:  # a step that sampled (num_iterations > 1 reuses a rollout)
+            out["rollout/generate_s"] = generate_s / workers
+            out["rollout/reward_s"] = reward_s / workers
+            out["rollout/logps_s"] = logps_s / workers
+            out["rollout/tokens_per_s"] = length / (generate_s / workers)
         if tokens:
             out["entropy"] = entropy / tokens
             if self.s.beta != 0.0 and self.s.loss_type != "rloo":

@@ -16,6 +16,7 @@ right-padded to the worker's longest, as TRL pads a generation batch, then split
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,9 @@ class RolloutStats:
     truncated: float = 0.0
     kl_sum: float = 0.0  # rloo with beta > 0: sum of (sampling - reference) log-probs
     kl_tokens: float = 0.0
+    generate_s: float = 0.0  # the step's split: sampling, scoring, log-probs kept
+    reward_s: float = 0.0
+    logps_s: float = 0.0
     samples: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -131,9 +135,11 @@ class RolloutFeed:
         rows = [self.rows[i] for i in self.prompt_indices(rollout)]
         prompt_ids = [self.tokenize(r) for r in rows]
         completion_ids: list[list[int]] = []
+        t0 = time.perf_counter()
         for idx, ids in zip(self.prompt_indices(rollout), prompt_ids, strict=True):
             seed = sample_seed(self.cfg.train.seed, rollout, idx)
             completion_ids.extend(self.engine.sample(ids, g, seed))
+        t1 = time.perf_counter()
         texts = [self.decode(c) for c in completion_ids]
         prompts = [r.prompt for r in rows for _ in range(g)]
         completions = [
@@ -145,6 +151,7 @@ class RolloutFeed:
             self.rewards.score(prompts, completions, columns, completion_ids), dtype=np.float64
         )
         reward = values @ np.array(self.rewards.weights, dtype=np.float64)
+        t2 = time.perf_counter()
         ids, attention, mask, width = self._layout(
             [p for p in prompt_ids for _ in range(g)], completion_ids
         )
@@ -153,11 +160,17 @@ class RolloutFeed:
             old = self.policy_logps(ids, attention, width)
         if self.reference_logps is not None:
             ref = self.reference_logps(ids, attention, width)
+        t3 = time.perf_counter()
         advantages = self._advantages(reward, old, ref, mask)
         kl = float(((old - ref) * mask).sum()) if ref.shape[1] and old.shape[1] else 0.0
         if self.cfg.train.objective == "rloo":
             old = (old * mask).sum(1, keepdims=True).astype(np.float32)
         self._record(step, values, reward, completion_ids, mask, prompts, texts, kl)
+        self.stats[-1].generate_s, self.stats[-1].reward_s, self.stats[-1].logps_s = (
+            t1 - t0,
+            t2 - t1,
+            t3 - t2,
+        )
         micro = self.cfg.train.micro_batch_size
         parts = (ids, attention, mask, advantages.astype(np.float32), old, ref)
         return [tuple(a[s : s + micro] for a in parts) for s in range(0, len(ids), micro)]

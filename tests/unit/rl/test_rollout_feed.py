@@ -171,6 +171,8 @@ def test_a_training_step_and_its_metrics(setup, tmp_path) -> None:
         "completions/clipped_ratio",
         "entropy",
         "clip_ratio/region_mean",
+        "rollout/generate_s",
+        "rollout/tokens_per_s",
     ):
         assert name in metrics, name
     assert 0 < metrics["completions/mean_length"] <= 8
