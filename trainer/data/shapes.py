@@ -298,14 +298,20 @@ class RowReader:
         self.report = report if report is not None else ScanReport()
         self.family: str | None = None
         self.shapes: list[str] = []
+        self._fits: dict[tuple[str, ...], str] = {}  # a corpus's rows share their fields
 
     def __call__(self, obj: Any) -> tuple[Example | None, str | None]:
         row, problem = apply_columns(obj, self.columns)
         if row is None:
             return None, problem
-        shape, problem = fit(row)
+        keys = tuple(row)
+        shape = self._fits.get(keys)
         if shape is None:
-            return None, problem
+            shape, problem = fit(row)
+            if shape is None:
+                return None, problem
+            if "messages" not in row and "conversations" not in row:
+                self._fits[keys] = shape  # decided by the field names alone
         family = FAMILY.get(shape, shape)
         if self.family is not None and family != self.family:
             return None, (
@@ -319,10 +325,12 @@ class RowReader:
         if shape not in self.shapes:
             self.shapes.append(shape)
             self.report.shape = " + ".join(self.shapes)
-        extra = [k for k in row if k not in SHAPES[shape].fields and k not in self.report.extra]
-        if shape == "sharegpt" and "messages" in row:
-            extra = [k for k in extra if k != "messages"]
-        self.report.extra.extend(extra)
+        if len(row) > len(SHAPES[shape].required):  # extra fields, or optional ones
+            extra = [k for k in row if k not in SHAPES[shape].fields]
+            extra = [k for k in extra if k not in self.report.extra]
+            if shape == "sharegpt" and "messages" in row:
+                extra = [k for k in extra if k != "messages"]
+            self.report.extra.extend(extra)
         return example, None
 
 
