@@ -1,6 +1,7 @@
 """Preference tuning through the production path: one Ray job, 2 workers, DPO on the tiny
 Llama with its reference log-probs precomputed before step 1, on a synthetic set the model
-can learn (the chosen answer states "The answer is N.", the rejected one hedges).
+can learn (the chosen answer states "The answer is N.", the rejected one hedges), in
+Anthropic HH-RLHF's text shape: the prompt implicit in both answers.
 
 The job is killed twice: once in the reference pass (the group restarts and runs the pass
 again) and once in training between checkpoints (it reads the stored reference back
@@ -51,8 +52,8 @@ def _held_out_accuracy(cfg, tiny, export: Path, pairs_file: Path, tmp: Path) -> 
 
 
 def test_dpo_learns_preferences_and_survives_kills(ray_cluster, tiny, tmp_path):
-    train = write_pairs(tmp_path / "pairs.jsonl", 320, seed=1)
-    held = write_pairs(tmp_path / "held.jsonl", 64, seed=99)
+    train = write_pairs(tmp_path / "pairs.jsonl", 320, seed=1, shape="hh")
+    held = write_pairs(tmp_path / "held.jsonl", 64, seed=99, shape="hh")
     path = write_job(
         tiny,
         tmp_path,
@@ -70,6 +71,7 @@ def test_dpo_learns_preferences_and_survives_kills(ray_cluster, tiny, tmp_path):
     )
     env = {"RAYLIFT_FAULT_KILL_IN_REFERENCE": "5", "RAYLIFT_FAULT_KILL_AFTER_STEP": "11"}
     cfg, _, logs = run_to_end(ray_cluster, path, env=env)
+    assert "pairs read as implicit prompt (HH-RLHF) (320)" in logs
     assert "killing rank 1 in the reference pass" in logs
     # Attempt 1 died in the pass, attempt 2 ran it, attempt 3 (the resume) read the file.
     assert logs.count("reference pass: 320 pairs in") == 1, logs[-4000:]
