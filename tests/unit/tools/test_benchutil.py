@@ -229,7 +229,9 @@ def test_cpu_watch_splits_the_machines_cpu_into_training_and_the_rest():
             p.wait()
             p.stdout.close()
     # One spinning process is at most one core; on a busy 2-core machine it gets less,
-    # never nothing. The other spinner counts as the rest of the machine.
-    assert 0.2 < train <= 1.1, train
-    assert other > 0.2, other
+    # never nothing (at a load average of 25 here each got 0.05-0.17 of a core, so the floor
+    # only tells a counted process from a missed one, which reads 0). The other spinner
+    # counts as the rest of the machine.
+    assert 0.02 < train <= 1.1, train
+    assert other > 0.02, other
     assert train + other <= os.cpu_count() + 0.2, (train, other)  # the machine, not more
