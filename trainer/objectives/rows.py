@@ -293,7 +293,8 @@ def sample_check(
     unpaired: bool = False,
     columns: Mapping[str, str] | None = None,
 ) -> str | None:
-    """The laptop's quick look at the first rows of the first local jsonl(.gz) file."""
+    """The laptop's quick look at the first rows of the first local jsonl(.gz) file: a
+    note saying the shape they were read as (validation prints it), or a bad row's error."""
     if spec.startswith("s3://"):
         return f"{what} {spec}: S3 data is listed and checked on the cluster"
     first = list_local(spec)[0]
@@ -301,7 +302,12 @@ def sample_check(
         return f"{what} {first.uri}: {first.fmt} rows are checked on the cluster"
     scan = ScanReport()
     rows = (iter_unpaired if unpaired else iter_pairs)(first, on_bad_line, scan, columns=columns)
-    for seen, _ in enumerate(rows, 1):
+    shapes: dict[str, int] = {}
+    for seen, row in enumerate(rows, 1):
+        shape = "KTO rows (prompt, completion, label)" if unpaired else f"pairs, {row.shape}"
+        shapes[shape] = shapes.get(shape, 0) + 1
         if seen >= limit:
             break
-    return None
+    mapped = f" (columns {dict(columns)})" if columns else ""
+    read = "; ".join(f"{shape} ({n} of the first rows)" for shape, n in shapes.items())
+    return f"{what} {spec}: read as {read or 'nothing'}{mapped}"

@@ -219,3 +219,14 @@ def test_columns_map_a_files_names(tiny, tmp_path: Path) -> None:
             columns=dict(columns, rejected="answer_k"),
             **opts,
         )
+
+
+def test_validation_says_which_shape_a_file_was_read_as(tmp_path: Path) -> None:
+    from trainer.preflight import Report, check_data_file
+
+    path = tmp_path / "hh.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [ROWS[IMPLICIT][0]] * 3))
+    report = Report()
+    check_data_file(str(path), "data.train_file", True, "error", report, "dpo")
+    note = f"data.train_file {path}: read as pairs, {IMPLICIT} (3 of the first rows)"
+    assert report.notes == [note]
