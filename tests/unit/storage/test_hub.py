@@ -143,3 +143,31 @@ def test_submit_keeps_hub_ids_as_written(tmp_path: Path) -> None:
     assert out.data.train_file == "HuggingFaceH4/tiny_pairs"
     rel = absolutize(_cfg(tmp_path, data="data/train.jsonl"), tmp_path)
     assert rel.data.train_file == str(tmp_path / "data" / "train.jsonl")
+
+
+def test_gated_repos_take_the_token_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Hub is not reachable here: its answer to a gated repository without access is
+    stood in for by the error huggingface_hub raises for it."""
+    import httpx2
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError
+
+    seen = {}
+
+    def gated(repo_id: str, **kw):
+        seen.update(kw)
+        request = httpx2.Request("GET", f"https://huggingface.co/api/models/{repo_id}")
+        raise GatedRepoError(
+            "401: access to this model is restricted",
+            response=httpx2.Response(401, request=request),
+        )
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", gated)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    with pytest.raises(UserError) as err:
+        hub.resolve_job(_cfg(tmp_path, model="meta-llama/Llama-3.1-8B"))
+    assert seen["token"] == "hf_secret"
+    assert "a gated model on the Hub" in str(err.value) and "HF_TOKEN" in str(err.value)
+    assert "\n" not in str(err.value)
