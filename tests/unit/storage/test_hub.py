@@ -171,3 +171,31 @@ def test_gated_repos_take_the_token_from_the_environment(
     assert seen["token"] == "hf_secret"
     assert "a gated model on the Hub" in str(err.value) and "HF_TOKEN" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_mix_and_an_eval_set_from_the_hub(tiny, tmp_path: Path, offline) -> None:
+    _, _, data_rev = _hub_cache(tiny, tmp_path)
+    local = tmp_path / "local.jsonl"
+    local.write_text('{"text": "hello"}\n')
+    job = load_config(
+        {
+            "model": {"path": MODEL, "tokenizer": f"hf://{MODEL}"},
+            "data": {
+                "train_file": [
+                    {"path": f"hf://datasets/{DATA}", "weight": 2, "name": "hub"},
+                    str(local),
+                ],
+                "eval_file": f"hf://datasets/{DATA}:test",
+                "cache_dir": str(tmp_path / "shared"),
+            },
+            "scaling": {"num_workers": 1},
+            "storage": {"path": str(tmp_path / "runs")},
+            "run": {"name": "mix"},
+        }
+    )
+    out = hub.resolve_job(job)
+    hub_src, local_src = out.data.sources("train")
+    assert (hub_src.name, hub_src.weight) == ("hub", 2) and data_rev in hub_src.path
+    assert local_src.path == str(local)
+    assert out.data.eval_file.endswith("data/test-*.jsonl")
+    assert out.model.tokenizer == out.model.path
