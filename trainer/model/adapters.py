@@ -100,11 +100,13 @@ def apply(model: Any, cfg: JobConfig, grew_vocab: bool, kbit: bool | None = None
         )
     lo = cfg.model.lora
     targets = target_modules(model, lo.target_modules)
+    params = target_parameters(model, lo.target_modules)
     peft_cfg = LoraConfig(
         r=lo.r,
         lora_alpha=lo.alpha,
         lora_dropout=lo.dropout,
         target_modules=targets,
+        target_parameters=list(params) or None,
         modules_to_save=embedding_names(model) if grew_vocab else None,
         task_type="CAUSAL_LM",
     )
@@ -115,7 +117,44 @@ def apply(model: Any, cfg: JobConfig, grew_vocab: bool, kbit: bool | None = None
         for name, p in model.named_parameters():
             if is_adapter_weight(name) and p.device.type != "meta":
                 p.copy_(initial_value(name, tuple(p.shape), cfg.train.seed).to(p.dtype))
+    kinds = trainable_by_kind(model)
+    log.info(
+        "LoRA trains %s parameters: %s",
+        f"{sum(kinds.values()):,}",
+        ", ".join(f"{k} {v:,}" for k, v in kinds.items()),
+    )
     return model
+
+
+KINDS = ("attention", "experts", "shared", "router", "mlp", "embeddings", "other")
+
+
+def kind_of(name: str) -> str:
+    """Which part of a decoder a parameter (or its adapter) belongs to, by its name:
+    a mixture-of-experts model's routed experts, shared expert and router apart from its
+    attention, so a log line shows an adapter that misses the experts."""
+    if ".experts." in name or name.endswith(".experts"):
+        return "experts"
+    if ".shared_expert" in name:
+        return "shared"
+    if ".mlp.gate." in name or ".router." in name:
+        return "router"
+    if "attn." in name:
+        return "attention"
+    if ".mlp." in name:
+        return "mlp"
+    if "embed" in name or "lm_head" in name:
+        return "embeddings"
+    return "other"
+
+
+def trainable_by_kind(model: torch.nn.Module) -> dict[str, int]:
+    """Trainable parameter counts per kind (`kind_of`), kinds with none left out."""
+    out = dict.fromkeys(KINDS, 0)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            out[kind_of(name)] += getattr(p, "ds_numel", None) or p.numel()
+    return {k: v for k, v in out.items() if v}
 
 
 def block_linears(model: Any) -> list[str]:
@@ -148,6 +187,25 @@ def target_modules(model: Any, setting: Any) -> list[str]:
             "model.lora.target_modules: auto picks this family's"
         )
     return list(targets)
+
+
+def target_parameters(model: Any, setting: Any) -> tuple[str, ...]:
+    """The fused parameters that get adapters (peft's target_parameters): a
+    mixture-of-experts family's routed experts under `auto` (trainer.model.families),
+    checked against the model's parameters so a renamed layout fails here and not as an
+    adapter that silently trains attention only."""
+    from trainer.model import families
+
+    params = families.resolve_parameters(setting, model.config.to_dict())
+    names = [n for n, _ in model.named_parameters()]
+    missing = [t for t in params if not any(n.endswith("." + t) for n in names)]
+    if missing:
+        raise UserError(
+            f"model.lora.target_modules {setting}: this {type(model).__name__} has no "
+            f"parameters {missing} (its routed experts in transformers "
+            f"{families.TRANSFORMERS_PIN}); list its modules in model.lora.target_modules"
+        )
+    return params
 
 
 def one_trainable_dtype(model: torch.nn.Module, dtype: torch.dtype) -> int:

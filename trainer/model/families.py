@@ -22,6 +22,10 @@ PEFT_PIN = "0.21.2"
 
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PHI3_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+FUSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+"""transformers 5's routed experts: one 3-D parameter per projection for all the experts
+of a layer (not Linear modules, so LoRA reaches them through peft's target_parameters)."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,11 @@ class Family:
     """Its causal LM is model.{embed_tokens, layers, norm, rotary_emb} + lm_head with layers
     taking position_embeddings=, as the pipeline stage builder needs."""
     why_not_sdpa: str = ""
+    experts: tuple[str, ...] = ()
+    """A mixture-of-experts family's fused routed-expert parameters: what `auto` gives
+    peft as target_parameters beside the modules in `linears` (attention and any shared
+    expert). peft's own default for these families (Mixtral's q_proj, v_proj) would train
+    attention only, so `auto` does not use it for them."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -76,9 +85,27 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family("Phi3ForCausalLM", True, True, True, None, PHI3_LINEARS, True, True),
     # Known to transformers and peft, not yet trained end to end here: a preflight warning.
     "gemma": Family("GemmaForCausalLM", True, True, True, ("q_proj", "v_proj"), LLAMA_LINEARS),
-    "mixtral": Family("MixtralForCausalLM", True, True, True, ("q_proj", "v_proj")),
-    "qwen2_moe": Family("Qwen2MoeForCausalLM", True, True, True, None),
-    "qwen3_moe": Family("Qwen3MoeForCausalLM", True, True, True, None),
+    "mixtral": Family(
+        "MixtralForCausalLM",
+        True,
+        True,
+        True,
+        ("q_proj", "v_proj"),
+        ATTENTION_LINEARS,
+        experts=FUSED_EXPERTS,
+    ),
+    "qwen2_moe": Family(
+        "Qwen2MoeForCausalLM",
+        True,
+        True,
+        True,
+        None,
+        (*ATTENTION_LINEARS, "gate_proj", "up_proj", "down_proj"),  # + the shared expert's
+        experts=FUSED_EXPERTS,
+    ),
+    "qwen3_moe": Family(
+        "Qwen3MoeForCausalLM", True, True, True, None, ATTENTION_LINEARS, experts=FUSED_EXPERTS
+    ),
     "phi": Family("PhiForCausalLM", True, True, True, ("q_proj", "v_proj", "fc1", "fc2")),
     "starcoder2": Family("Starcoder2ForCausalLM", True, True, True, None),
     "olmo2": Family("Olmo2ForCausalLM", True, True, True, None),
@@ -91,7 +118,9 @@ FAMILIES: dict[str, Family] = {
         True,
         True,
         None,
+        ATTENTION_LINEARS,
         why_not_sdpa="its attention sinks run in the eager, flash and flex kernels only",
+        experts=FUSED_EXPERTS,
     ),
     "falcon": Family("FalconForCausalLM", True, True, False, ("query_key_value",)),
     "gpt_neox": Family("GPTNeoXForCausalLM", True, True, True, ("query_key_value",)),
@@ -145,14 +174,27 @@ def resolve_targets(setting: Any, mconf: dict[str, Any]) -> tuple[str, ...] | No
     if isinstance(setting, list | tuple):
         return tuple(setting)
     fam = family(mconf)
-    if setting == "auto" and fam is not None and fam.peft_targets is not None:
+    if setting == "auto" and fam is not None and fam.peft_targets is not None and not fam.experts:
         return fam.peft_targets
     return all_linear(mconf)
 
 
+def resolve_parameters(setting: Any, mconf: dict[str, Any]) -> tuple[str, ...]:
+    """The LoRA target parameters (peft's `target_parameters`): under `auto` (and
+    `all-linear`) a mixture-of-experts family's fused routed experts, so an adapter on
+    such a model trains its experts and not only its attention; none for an explicit
+    module list or a dense family."""
+    fam = family(mconf)
+    if isinstance(setting, list | tuple) or fam is None:
+        return ()
+    return fam.experts
+
+
 def describe_targets(setting: Any, mconf: dict[str, Any]) -> str:
     targets = resolve_targets(setting, mconf)
-    return ", ".join(targets) if targets else "every linear of the attention and MLP blocks"
+    text = ", ".join(targets) if targets else "every linear of the attention and MLP blocks"
+    params = resolve_parameters(setting, mconf)
+    return f"{text}; routed experts {', '.join(params)}" if params else text
 
 
 def check(
