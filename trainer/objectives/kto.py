@@ -66,6 +66,8 @@ class _Labelled:
 
 
 def open_kto_feed(cfg: JobConfig, train: list[str], rank: int, world: int) -> PairFeed:
+    """The pair feed over KTO rows: batches are sampled by row, each carrying its
+    mismatched sequence and label, so a micro batch holds whole rows."""
     rows = KTOBlocks(TokenCache(Path(train[0])), cfg.data.block_size)
     replica, replicas = cfg.data_rank(rank, world)
     plan = BatchPlan(
@@ -106,6 +108,8 @@ def _mean_over_ranks(total: torch.Tensor, count: int) -> torch.Tensor:
 
 
 class KTO:
+    """The objective the loop calls for `train.objective: kto` (see the module's text)."""
+
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.name = "kto"
