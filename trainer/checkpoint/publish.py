@@ -55,7 +55,7 @@ class Publish:
         """Returns when the checkpoint's save started (the emergency checkpoint's account)."""
         rt, report, done = self.rt, self.report, step + 1
         if export:
-            export_model(rt, self.strategy, self.tokenizer, done)
+            export_model(rt, self.strategy, self.tokenizer, done, self.cfg)
             report.tracker.tag(
                 "raylift.export", rt.run.join(ckpt_mod.EXPORT_DIR, ckpt_mod.dir_name(done)).uri
             )
@@ -85,12 +85,21 @@ class Publish:
         return saving
 
 
-def export_model(rt: Runtime, strategy: Strategy, tokenizer: Any, step: int) -> None:
+def export_model(
+    rt: Runtime, strategy: Strategy, tokenizer: Any, step: int, cfg: JobConfig
+) -> None:
     """The user's export, separate from resume state: written locally by the rank(s) that
-    hold it, then uploaded to export/step_<N>/. Collective."""
+    hold it, checked on rank 0 (trainer.checkpoint.export_check: the merged folder against
+    base + adapter, the extra formats against the HF folder), then uploaded to
+    export/step_<N>/. A failed check uploads nothing. Collective."""
     tmp = Path(tempfile.mkdtemp(prefix=f"raylift-export-{step}-r{rt.rank}-"))
     try:
         if strategy.export(tmp, rt.rank, tokenizer):
+            if rt.rank == 0:
+                from trainer.checkpoint.export_check import finish_export
+                from trainer.model.folders import local_model_dir
+
+                finish_export(tmp, local_model_dir(cfg), cfg, tokenizer)
             target = rt.run.join(ckpt_mod.EXPORT_DIR, ckpt_mod.dir_name(step))
             upload_dir(tmp, target)
             if rt.rank == 0:

@@ -1,0 +1,159 @@
+"""Proof that an export serves the model that was trained, checked before it is uploaded.
+
+A merged export (`model.lora.merge_on_export`) is a new set of weights: a wrong merge (a
+scaled, transposed or dropped delta, the peers' open FSDP2 and QLoRA merge bugs) still
+loads and generates, just not the fine-tuned model. So after the folder is written it is
+loaded back and its logits on a fixed batch are compared with the un-merged reference:
+the same base the merge started from with the adapter folder applied by PEFT. A mismatch
+fails the export with one line; a folder that does not match is never uploaded.
+
+The merge (trainer.model.adapters.export) starts from the full-precision base weights in
+the model folder, LoRA and QLoRA alike: for QLoRA that is the base before its 4-bit
+quantization, not the NF4 base the adapter trained against (which differs from it by the
+quantization error); the check's reference uses the same base, and its log line says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.config import JobConfig
+from trainer.errors import UserError
+
+log = logging.getLogger("trainer")
+
+TOLERANCE: dict[torch.dtype, float] = {
+    torch.float32: 1e-5,
+    torch.bfloat16: 2e-2,
+    torch.float16: 2e-3,
+}
+"""Largest allowed |merged - reference| over the batch's logits, relative to the largest
+|reference| logit, by the merged weights' dtype. fp32: merged and un-merged differ only
+in rounding order ((W + s·BA)x against Wx + s·B(Ax)), ~1e-7 per layer."""
+
+BATCH_ROWS, BATCH_LEN, BATCH_SEED = 2, 16, 1234
+
+
+class ExportCheckError(UserError):
+    """An export was written but does not give the trained model's outputs."""
+
+
+@dataclass(frozen=True)
+class LogitsCheck:
+    """One export's check: what was compared, the measured error and the bound."""
+
+    export: str
+    reference: str
+    rel_error: float
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return self.rel_error <= self.tolerance
+
+    def line(self) -> str:
+        verdict = "match" if self.passed else "DO NOT match"
+        return (
+            f"{self.export}: logits {verdict} {self.reference} on a fixed "
+            f"{BATCH_ROWS}x{BATCH_LEN} batch (max error {self.rel_error:.2e} of the largest "
+            f"logit, tolerance {self.tolerance:.0e})"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "export": self.export,
+            "reference": self.reference,
+            "rel_error": self.rel_error,
+            "tolerance": self.tolerance,
+            "passed": self.passed,
+        }
+
+
+def fixed_batch(vocab_size: int) -> torch.Tensor:
+    """The same token ids on every run and rank, from a generator of their own (never the
+    global RNG, which training owns)."""
+    gen = torch.Generator().manual_seed(BATCH_SEED)
+    return torch.randint(0, vocab_size, (BATCH_ROWS, BATCH_LEN), generator=gen)
+
+
+@torch.no_grad()
+def logits_of(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    return model(input_ids=ids).logits.float()
+
+
+def compare(export: str, reference: str, got: torch.Tensor, want: torch.Tensor, tol: float):
+    """The relative error of `got` against `want` (both logits of the fixed batch)."""
+    if got.shape != want.shape:
+        raise ExportCheckError(
+            f"{export}: logits of shape {tuple(got.shape)} where {reference} gives "
+            f"{tuple(want.shape)}; the folder is not the trained model, do not serve it"
+        )
+    scale = max(float(want.abs().max()), 1e-12)
+    err = float((got - want).abs().max()) / scale
+    return LogitsCheck(export, reference, err, tol)
+
+
+def require(check: LogitsCheck) -> LogitsCheck:
+    """Log the check's line; a failed check is one error line that names the folder."""
+    if not check.passed:
+        raise ExportCheckError(
+            check.line() + "; the export is not uploaded: report this as a Raylift bug "
+            "(the adapter/ folder next to it is the trained result)"
+        )
+    log.info("%s", check.line())
+    return check
+
+
+def check_merged(export_dir: Path, base_dir: Path, cfg: JobConfig, vocab_size: int) -> LogitsCheck:
+    """`export_dir/model_merged` against `base_dir` + `export_dir/adapter` (un-merged).
+    The reference is computed and freed before the merged folder is loaded, so at most one
+    extra copy of the model is in memory at a time."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer.model.adapters import ADAPTER_DIR, MERGED_DIR
+    from trainer.model.loading import load_model
+
+    merged_dir, adapter_dir = export_dir / MERGED_DIR, export_dir / ADAPTER_DIR
+    ids = fixed_batch(vocab_size)
+    base = load_model(base_dir, cfg, vocab_size, dtype=torch.float32)
+    reference = PeftModel.from_pretrained(base, str(adapter_dir))
+    want = logits_of(reference, ids)
+    del reference, base
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir))
+    dtype = next(merged.parameters()).dtype
+    got = logits_of(merged, ids)
+    del merged
+    what = "base + adapter"
+    if cfg.model.adapter == "qlora":
+        what = "the full-precision base (not the NF4 base it trained on) + adapter"
+    return compare(MERGED_DIR, what, got, want, TOLERANCE.get(dtype, 1e-5))
+
+
+CHECKS_FILE = "checks.json"
+"""Written into each export folder: every check made on it (what `status` and the report
+show), so the folder carries its own proof."""
+
+
+def finish_export(export_dir: Path, base_dir: Path, cfg: JobConfig, tokenizer: Any) -> list:
+    """What follows the strategy's write, on the rank that wrote: the merged folder's check,
+    then the extra formats (export.formats) with theirs, and checks.json. Any failed check
+    raises before anything is uploaded."""
+    import json
+
+    from trainer.model.adapters import MERGED_DIR
+
+    checks: list[LogitsCheck] = []
+    vocab = len(tokenizer) if tokenizer is not None else None
+    if (export_dir / MERGED_DIR).is_dir() and vocab is not None:
+        checks.append(require(check_merged(export_dir, base_dir, cfg, vocab)))
+    (export_dir / CHECKS_FILE).write_text(
+        json.dumps({"checks": [c.as_dict() for c in checks]}, indent=2) + "\n"
+    )
+    return checks
