@@ -50,8 +50,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
-	RAYLIFT_BENCH_SMOKE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile \
-		--timeout $(TEST_TIMEOUT) -m '$(TEST_MARKS)' $(TEST_PATHS) --durations=30 $(PYTEST_ARGS)
+	RAYLIFT_BENCH_SMOKE=1 RAYLIFT_TEST_PREBUILD_CPU_ADAM=1 \
+		$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --timeout $(TEST_TIMEOUT) \
+		-m '$(TEST_MARKS)' $(TEST_PATHS) --durations=30 $(PYTEST_ARGS)
 
 # The docs site (mkdocs, material theme): every link and anchor checked (--strict).
 docs: $(STAMP)

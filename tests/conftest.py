@@ -178,13 +178,56 @@ CPUAdamBuilder().load(verbose=False)
 """
 
 
+PREBUILD_ENV = "RAYLIFT_TEST_PREBUILD_CPU_ADAM"
+"""1 (make test sets it): the session starts building DeepSpeed's CPU Adam at once, in the
+background at nice 19, under the same lock as `ds_cpu_adam`; the fixture then finds it
+built instead of compiling it on its test's worker (~140 CPU-seconds)."""
+_PREBUILD = (
+    "import os\n"
+    "os.nice(19)\n"
+    "from pathlib import Path\n"
+    "from filelock import FileLock\n"
+    "from trainer.strategies.deepspeed.engine import EXTENSIONS_DIR\n"
+    "root = Path(os.environ.get('TORCH_EXTENSIONS_DIR', EXTENSIONS_DIR))\n"
+    "root.mkdir(parents=True, exist_ok=True)\n"
+    "with FileLock(str(root / 'cpu_adam.build.lock')):\n"
+    "    exec(compile(os.environ['RAYLIFT_BUILD_CPU_ADAM'], 'cpu_adam', 'exec'))\n"
+)
+_prebuild: subprocess.Popen[bytes] | None = None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Most of an integration test's time is single-threaded start-up and polls, so the
+    build fills idle CPU while the first files run, off any test's clock. Started once, by
+    the controller (an xdist worker starts none); the fixture below waits on its lock."""
+    global _prebuild
+    if os.environ.get(PREBUILD_ENV) != "1" or hasattr(session.config, "workerinput"):
+        return
+    _prebuild = subprocess.Popen(
+        [sys.executable, "-c", _PREBUILD],
+        cwd=ROOT,
+        env={**os.environ, "RAYLIFT_BUILD_CPU_ADAM": _BUILD_CPU_ADAM},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A build still running when the session ends (a short `make test PYTEST_ARGS=-k…`)
+    is waited for, never killed: torch's JIT build holds a lock file in the cache while it
+    compiles, and a build killed there leaves every later load waiting on it."""
+    if _prebuild is not None:
+        _prebuild.wait()
+
+
 @pytest.fixture(scope="session")
 def ds_cpu_adam() -> Path:
     """DeepSpeed's C++ CPU Adam, JIT-built once per CI run into the torch-extensions cache
     that every process on this machine shares (trainer.strategies.deepspeed.engine: under
     TMPDIR, which `make test` starts fresh), so Ray workers load it instead of each
     compiling it. It is what a user's offloaded ZeRO run gets; ~140 CPU-seconds to build
-    here. A file lock keeps two pytest-xdist workers from building it side by side."""
+    here. A file lock keeps two pytest-xdist workers (and make test's background build,
+    PREBUILD_ENV) from building it side by side: after one, the next only loads it."""
     from filelock import FileLock
 
     from trainer.strategies.deepspeed.engine import EXTENSIONS_DIR
