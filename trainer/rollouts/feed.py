@@ -4,7 +4,7 @@ batches the loss reads (trainer.objectives.grpo.BATCH).
 A step's global batch counts completions: `global_batch / num_generations` prompts, each
 worker sampling whole groups of its share. Prompts are drawn in a seeded permutation per
 epoch, a pure function of the step, like every other feed, so a resumed run reads the
-same prompts and (seeded per prompt) samples the same completions. With num_iterations
+same prompts and (seeded per rollout and worker) samples the same completions. With num_iterations
 μ > 1 one rollout serves μ optimizer steps (TRL's reuse), its log-probs at sampling time
 kept for the ratio.
 
@@ -134,11 +134,9 @@ class RolloutFeed:
         g, rl = self.rl.num_generations, self.rl
         rows = [self.rows[i] for i in self.prompt_indices(rollout)]
         prompt_ids = [self.tokenize(r) for r in rows]
-        completion_ids: list[list[int]] = []
         t0 = time.perf_counter()
-        for idx, ids in zip(self.prompt_indices(rollout), prompt_ids, strict=True):
-            seed = sample_seed(self.cfg.train.seed, rollout, idx)
-            completion_ids.extend(self.engine.sample(ids, g, seed))
+        seed = sample_seed(self.cfg.train.seed, rollout, self.rank)
+        completion_ids = self.engine.sample(prompt_ids, g, seed)
         t1 = time.perf_counter()
         texts = [self.decode(c) for c in completion_ids]
         prompts = [r.prompt for r in rows for _ in range(g)]

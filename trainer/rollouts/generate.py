@@ -1,10 +1,12 @@
 """The `generate` rollout engine: transformers' `generate` on the training worker, with
-the policy's weights as the strategy holds them, each prompt's group sampled in one call.
+the policy's weights as the strategy holds them, a worker's prompts in one call.
 
-Sampling is seeded per (run seed, rollout, prompt), from a forked RNG, so a resumed step
-regenerates the same completions and the training RNG streams (dropout, data order) are
-left exactly where they were. A prompt's group is one `generate` call with no padding, so
-a completion never depends on which other prompts share its worker or micro batch.
+Sampling is seeded per (run seed, rollout, rank), from a forked RNG: a resumed step gives
+each worker the same prompts (the feed is a function of the step; the worker count is
+fixed for RL), so it regenerates the same completions, and the training RNG streams
+(dropout, data order) are left exactly where they were. One call per worker, prompts
+left-padded as TRL pads a generation batch: on CPU a call per prompt's group cost 4-6
+times the decoding steps for a few prompts a worker.
 
 Strategies whose forward is collective (FSDP2's per-layer all-gathers, ZeRO-3's
 partitions) would need every rank to run the same number of decoding steps; this build
@@ -30,9 +32,9 @@ class Sampling:
     pad_id: int
 
 
-def sample_seed(seed: int, rollout: int, prompt: int) -> int:
-    """The seed of one prompt's group: independent streams per (run, rollout, prompt)."""
-    return int(np.random.SeedSequence([seed, rollout, prompt]).generate_state(1)[0])
+def sample_seed(seed: int, rollout: int, rank: int) -> int:
+    """The seed of one worker's rollout: independent streams per (run, rollout, rank)."""
+    return int(np.random.SeedSequence([seed, rollout, rank]).generate_state(1)[0])
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -48,11 +50,18 @@ class GenerateEngine:
     def __init__(self, model: torch.nn.Module, sampling: Sampling, device: torch.device):
         self.model, self.s, self.device = model, sampling, device
 
-    def sample(self, prompt_ids: list[int], n: int, seed: int) -> list[list[int]]:
-        """`n` completions of one prompt, each cut after its first EOS (kept: the model
-        must learn to stop); one without EOS has max_new_tokens tokens (truncated)."""
+    def sample(self, prompts: list[list[int]], n: int, seed: int) -> list[list[int]]:
+        """`n` completions of each prompt (prompt-major: a prompt's group side by side),
+        each cut after its first EOS (kept: the model must learn to stop); one without
+        EOS has max_new_tokens tokens (truncated). One `generate` call over the prompts,
+        left-padded as the training batch pads them."""
         model = unwrap(self.model)
-        x = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        width = max(len(p) for p in prompts)
+        x = torch.full((len(prompts), width), self.s.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(x)
+        for i, p in enumerate(prompts):
+            x[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
         devices = [self.device] if self.device.type == "cuda" else []
         was_training = model.training
         model.eval()
@@ -60,8 +69,8 @@ class GenerateEngine:
             with torch.random.fork_rng(devices=devices), torch.no_grad():
                 torch.manual_seed(seed)
                 out = model.generate(
-                    input_ids=x,
-                    attention_mask=torch.ones_like(x),
+                    input_ids=x.to(self.device),
+                    attention_mask=mask.to(self.device),
                     do_sample=True,
                     temperature=self.s.temperature,
                     top_p=self.s.top_p,
@@ -73,7 +82,7 @@ class GenerateEngine:
                 )
         finally:
             model.train(was_training)
-        return [_cut(row, self.s.eos_id) for row in out[:, x.shape[1] :].tolist()]
+        return [_cut(row, self.s.eos_id) for row in out[:, width:].tolist()]
 
 
 def _cut(ids: list[int], eos: int) -> list[int]:

@@ -52,6 +52,7 @@ def _job(tiny, tmp_path: Path, objective: str = "grpo", adapter: str = "none", *
                     "rewards": [
                         {"function": "length_target", "options": {"target": 4}},
                         {"function": "math_answer", "weight": 0.5},
+                        {"function": "format_regex", "options": {"pattern": "e"}},
                     ],
                     "log_completions_every": 1,
                     **rl,
