@@ -104,7 +104,7 @@ def require(check: LogitsCheck) -> LogitsCheck:
     if not check.passed:
         raise ExportCheckError(
             check.line() + "; the export is not uploaded: report this as a Raylift bug "
-            "(the adapter/ folder next to it is the trained result)"
+            "(the run's checkpoints keep the trained weights)"
         )
     log.info("%s", check.line())
     return check
@@ -136,6 +136,24 @@ def check_merged(export_dir: Path, base_dir: Path, cfg: JobConfig, vocab_size: i
     return compare(MERGED_DIR, what, got, want, TOLERANCE.get(dtype, 1e-5))
 
 
+def check_gguf(path: Path, hf_dir: Path, gguf_type: str) -> LogitsCheck:
+    """A GGUF file against the HF folder it was made from: transformers loads it back
+    (dequantized, the Q/K layout undone) and both run the fixed batch."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.checkpoint.gguf_export import GGUF_DIR, TOLERANCE
+
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir))
+    ids = fixed_batch(hf.config.vocab_size)
+    want = logits_of(hf, ids)
+    del hf
+    back = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
+    got = logits_of(back, ids)
+    del back
+    name = f"{GGUF_DIR}/{path.name}"
+    return compare(name, f"{hf_dir.name}/ (read back dequantized)", got, want, TOLERANCE[gguf_type])
+
+
 CHECKS_FILE = "checks.json"
 """Written into each export folder: every check made on it (what `status` and the report
 show), so the folder carries its own proof."""
@@ -153,6 +171,13 @@ def finish_export(export_dir: Path, base_dir: Path, cfg: JobConfig, tokenizer: A
     vocab = len(tokenizer) if tokenizer is not None else None
     if (export_dir / MERGED_DIR).is_dir() and vocab is not None:
         checks.append(require(check_merged(export_dir, base_dir, cfg, vocab)))
+    if "gguf" in cfg.export.formats:
+        from trainer.checkpoint.gguf_export import GGUF_DIR, write_gguf
+
+        full = export_dir / (MERGED_DIR if (export_dir / MERGED_DIR).is_dir() else "model")
+        for gguf_type in cfg.export.gguf_types:
+            path = write_gguf(full, export_dir / GGUF_DIR, gguf_type, cfg.run.name)
+            checks.append(require(check_gguf(path, full, gguf_type)))
     (export_dir / CHECKS_FILE).write_text(
         json.dumps({"checks": [c.as_dict() for c in checks]}, indent=2) + "\n"
     )

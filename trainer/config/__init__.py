@@ -11,6 +11,7 @@ client and again on the cluster before workers are started.
 from trainer.config.base import STRATEGIES
 from trainer.config.checkpoint import CheckpointSection, StorageSection
 from trainer.config.data import DataSection, SourceSpec
+from trainer.config.export import ExportSection
 from trainer.config.job import JobConfig
 from trainer.config.loader import apply_overrides, load_config, parse_override
 from trainer.config.model import LoraSection, ModelSection
@@ -41,6 +42,7 @@ __all__ = [
     "DDPOptions",
     "DataSection",
     "DeepSpeedOptions",
+    "ExportSection",
     "FSDPOptions",
     "JobConfig",
     "LoraSection",

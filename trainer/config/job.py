@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from trainer.config.base import _RUN_NAME, STRATEGIES, _Section
 from trainer.config.checkpoint import CheckpointSection, StorageSection
 from trainer.config.data import DataSection
+from trainer.config.export import ExportSection
 from trainer.config.model import ModelSection
 from trainer.config.rl import RL_OBJECTIVES
 from trainer.config.run import RunSection, TrackingSection
@@ -30,6 +31,7 @@ class JobConfig(_Section):
     storage: StorageSection = Field(default_factory=StorageSection)
     run: RunSection
     tracking: TrackingSection = Field(default_factory=TrackingSection)
+    export: ExportSection = Field(default_factory=ExportSection)
 
     @model_validator(mode="before")
     @classmethod
@@ -74,6 +76,20 @@ class JobConfig(_Section):
                 "model.adapter: qlora is not supported with strategy deepspeed (ZeRO "
                 "cannot partition a 4-bit base); use strategy fsdp (NF4 base, sharded) or "
                 "adapter lora"
+            )
+
+    def _check_gguf(self) -> None:
+        """GGUF is made from one whole HF folder on rank 0: the full model or the merged one."""
+        if self.model.adapter != "none" and not self.model.lora.merge_on_export:
+            raise ValueError(
+                f"export.formats: gguf needs the whole model, and model.adapter "
+                f"{self.model.adapter} exports only the adapter; set "
+                "model.lora.merge_on_export: true"
+            )
+        if isinstance(self.strategy, FSDPOptions) and self.strategy.pp > 1:
+            raise ValueError(
+                "export.formats: gguf with strategy.pp > 1 is not supported in this build (each "
+                "stage writes its own part of the HF folder); drop gguf or use pp = 1"
             )
 
     def _check_preference(self) -> None:
@@ -185,6 +201,8 @@ class JobConfig(_Section):
             )
         if self.model.adapter != "none":
             self._check_adapter()
+        if "gguf" in self.export.formats:
+            self._check_gguf()
         if t.objective in RL_OBJECTIVES:
             self._check_rl()
         elif t.objective != "sft":
