@@ -60,6 +60,18 @@ def _runs_table(client: Any) -> int:
     return 0
 
 
+def submission_export_lines(meta: dict[str, str]) -> list[str]:
+    """The run's newest export and the checks made on it (trainer.checkpoint.export_check);
+    nothing when its storage is not readable from here (the cost line already says why)."""
+    from trainer.checkpoint.export_check import export_lines
+
+    try:
+        run = runs.submission_run(meta)
+        return export_lines(run) if run is not None else []
+    except Exception:  # a shared-FS path only the cluster mounts, no credentials, …
+        return []
+
+
 def status(args: argparse.Namespace, client: Any, target: cluster.Target) -> int:
     if not args.run:
         return _runs_table(client)
@@ -98,6 +110,7 @@ def status(args: argparse.Namespace, client: Any, target: cluster.Target) -> int
         # "cost: ..." and the planned-against-measured "memory: ..." lines, each by its label
         lines += [text.partition(": ")[::2] for text in submission_cost_lines(meta)]
         lines += [("goodput", t.split(": ", 1)[1]) for t in submission_goodput_lines(meta)]
+        lines += [text.partition(": ")[::2] for text in submission_export_lines(meta)]
     if job.message and state not in runs.LIVE:
         lines.append(("ray", job.message.strip().splitlines()[-1]))
     for key, value in lines:

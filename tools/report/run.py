@@ -10,6 +10,7 @@ from typing import Any
 from tools.jobcli.cost import run_lines
 from tools.jobcli.goodputlines import measure_run
 from tools.jobcli.runs import memory_line, rewards_line, slowest_line, steady
+from trainer.checkpoint.export_check import export_lines
 from trainer.observability import goodput
 from trainer.observability.metrics import lineage, read_records
 from trainer.resilience import journal
@@ -33,6 +34,7 @@ def load_run(run_uri: str, endpoint_override: str | None = None) -> dict[str, An
         "restarts": restarts,
         "journal": faults,
         "goodput": measure_run(run, records, journal_records),  # where the paid time went
+        "exports": export_lines(run),  # the newest export and the checks made on it
     }
 
 
@@ -62,7 +64,8 @@ def summary_lines(run: dict[str, Any]) -> list[str]:
     if slow:
         lines.append(f"slowest part of a step (second half of the run): {slow}")
     good = goodput.lines(run["goodput"]) if run.get("goodput") is not None else []
-    return lines + journal_lines(run.get("journal") or {}) + list(run.get("cost") or []) + good
+    faults, exports = journal_lines(run.get("journal") or {}), list(run.get("exports") or [])
+    return lines + faults + list(run.get("cost") or []) + good + exports
 
 
 def journal_lines(j: dict[str, Any]) -> list[str]:

@@ -20,18 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from trainer.config import JobConfig
 from trainer.errors import UserError
 
 log = logging.getLogger("trainer")
 
-TOLERANCE: dict[torch.dtype, float] = {
-    torch.float32: 1e-5,
-    torch.bfloat16: 2e-2,
-    torch.float16: 2e-3,
-}
+TOLERANCE: dict[str, float] = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
 """Largest allowed |merged - reference| over the batch's logits, relative to the largest
 |reference| logit, by the merged weights' dtype. fp32: merged and un-merged differ only
 in rounding order ((W + s·BA)x against Wx + s·B(Ax)), ~1e-7 per layer."""
@@ -74,20 +68,24 @@ class LogitsCheck:
         }
 
 
-def fixed_batch(vocab_size: int) -> torch.Tensor:
+def fixed_batch(vocab_size: int) -> Any:
     """The same token ids on every run and rank, from a generator of their own (never the
     global RNG, which training owns)."""
+    import torch
+
     gen = torch.Generator().manual_seed(BATCH_SEED)
     return torch.randint(0, vocab_size, (BATCH_ROWS, BATCH_LEN), generator=gen)
 
 
-@torch.no_grad()
-def logits_of(model: Any, ids: torch.Tensor) -> torch.Tensor:
+def logits_of(model: Any, ids: Any) -> Any:
+    import torch
+
     model.eval()
-    return model(input_ids=ids).logits.float()
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
 
 
-def compare(export: str, reference: str, got: torch.Tensor, want: torch.Tensor, tol: float):
+def compare(export: str, reference: str, got: Any, want: Any, tol: float) -> LogitsCheck:
     """The relative error of `got` against `want` (both logits of the fixed batch)."""
     if got.shape != want.shape:
         raise ExportCheckError(
@@ -114,6 +112,7 @@ def check_merged(export_dir: Path, base_dir: Path, cfg: JobConfig, vocab_size: i
     """`export_dir/model_merged` against `base_dir` + `export_dir/adapter` (un-merged).
     The reference is computed and freed before the merged folder is loaded, so at most one
     extra copy of the model is in memory at a time."""
+    import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -133,7 +132,9 @@ def check_merged(export_dir: Path, base_dir: Path, cfg: JobConfig, vocab_size: i
     what = "base + adapter"
     if cfg.model.adapter == "qlora":
         what = "the full-precision base (not the NF4 base it trained on) + adapter"
-    return compare(MERGED_DIR, what, got, want, TOLERANCE.get(dtype, 1e-5))
+    return compare(
+        MERGED_DIR, what, got, want, TOLERANCE.get(str(dtype).removeprefix("torch."), 1e-5)
+    )
 
 
 def check_gguf(path: Path, hf_dir: Path, gguf_type: str) -> LogitsCheck:
@@ -165,6 +166,7 @@ def finish_export(export_dir: Path, base_dir: Path, cfg: JobConfig, tokenizer: A
     raises before anything is uploaded."""
     import json
 
+    from trainer.checkpoint.gguf_export import GGUF_DIR, write_gguf
     from trainer.model.adapters import MERGED_DIR
 
     checks: list[LogitsCheck] = []
@@ -172,13 +174,44 @@ def finish_export(export_dir: Path, base_dir: Path, cfg: JobConfig, tokenizer: A
     if (export_dir / MERGED_DIR).is_dir() and vocab is not None:
         checks.append(require(check_merged(export_dir, base_dir, cfg, vocab)))
     if "gguf" in cfg.export.formats:
-        from trainer.checkpoint.gguf_export import GGUF_DIR, write_gguf
-
         full = export_dir / (MERGED_DIR if (export_dir / MERGED_DIR).is_dir() else "model")
         for gguf_type in cfg.export.gguf_types:
             path = write_gguf(full, export_dir / GGUF_DIR, gguf_type, cfg.run.name)
             checks.append(require(check_gguf(path, full, gguf_type)))
-    (export_dir / CHECKS_FILE).write_text(
-        json.dumps({"checks": [c.as_dict() for c in checks]}, indent=2) + "\n"
+    contents = sorted(
+        p.relative_to(export_dir).as_posix()
+        for p in [*export_dir.iterdir(), *export_dir.glob("gguf/*.gguf")]
+        if p.name != GGUF_DIR
     )
+    record = {"contents": contents, "checks": [c.as_dict() for c in checks]}
+    (export_dir / CHECKS_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return checks
+
+
+def export_lines(run: Any) -> list[str]:
+    """The run's newest export, what it holds and each check made on it (its checks.json),
+    as `label: text` lines for `raylift report` and `raylift status`. Reads storage only; no
+    torch, so the laptop's tools can call it."""
+    import json
+
+    from trainer.checkpoint.manager import latest_export
+
+    loc = latest_export(run)
+    if loc is None:
+        return []
+    try:
+        with loc.fs.open_input_stream(loc.join(CHECKS_FILE).path) as f:
+            record = json.loads(f.read().decode())
+    except (FileNotFoundError, OSError, ValueError):
+        return [f"export: {loc.uri} (no {CHECKS_FILE}: written unchecked, before checks existed)"]
+    lines = [f"export: {loc.uri} ({', '.join(record.get('contents', [])) or 'empty'})"]
+    for c in record.get("checks", []):
+        lines.append(
+            "checked: "
+            + LogitsCheck(
+                c["export"], c["reference"], float(c["rel_error"]), float(c["tolerance"])
+            ).line()
+        )
+    if not record.get("checks"):
+        lines.append("checked: nothing due (no merged folder and no extra formats)")
+    return lines

@@ -102,3 +102,29 @@ def test_gguf_refuses_what_it_cannot_write(tiny: dict[str, Path], tmp_path: Path
                 "export": {"formats": ["hf", "gguf"]},
             }
         )
+
+
+def test_report_and_status_name_the_export_and_its_checks(export_dir: Path, tmp_path: Path):
+    from tools.report.run import summary_lines
+    from trainer.checkpoint.export_check import export_lines
+    from trainer.storage.location import resolve
+
+    run = tmp_path / "run"
+    shutil.copytree(export_dir, run / "export" / "step_00000002")
+    lines = export_lines(resolve(str(run)))
+    head, f16, q8 = lines
+    assert head.startswith(f"export: {run}/export/step_00000002 (")
+    assert "gguf/tiny-f16.gguf" in head and "gguf/tiny-q8_0.gguf" in head and "model" in head
+    assert f16.startswith("checked: gguf/tiny-f16.gguf: logits match model/")
+    assert q8.startswith("checked: gguf/tiny-q8_0.gguf: logits match") and "5e-02" in q8
+    steps = [{"step": 2, "loss": 1.0, "tokens_per_s": 10.0}]
+    report = {"steps": steps, "evals": [], "restarts": 0, "wasted_steps": 0, "exports": lines}
+    assert summary_lines(report)[-3:] == lines
+    from tools.jobcli import runs
+    from tools.jobcli.verbs import submission_export_lines
+
+    meta = {"raylift_storage": str(tmp_path), runs.RUN_KEY: "run"}
+    assert submission_export_lines(meta) == lines  # what `raylift status` prints, by label
+    # A run whose export predates checks.json says so rather than passing it off as checked.
+    (run / "export" / "step_00000002" / CHECKS_FILE).unlink()
+    assert "written unchecked" in export_lines(resolve(str(run)))[0]
