@@ -166,9 +166,18 @@ def finish_export(export_dir: Path, base_dir: Path, cfg: JobConfig, tokenizer: A
     raises before anything is uploaded."""
     import json
 
+    from transformers.integrations.deepspeed import (
+        is_deepspeed_zero3_enabled,
+        unset_hf_deepspeed_config,
+    )
+
     from trainer.checkpoint.gguf_export import GGUF_DIR, write_gguf
     from trainer.model.adapters import MERGED_DIR
 
+    if is_deepspeed_zero3_enabled():
+        # A ZeRO-3 process's HF config would partition the check's loads on rank 0 alone
+        # (the strategy's adapter export drops it for its merge the same way).
+        unset_hf_deepspeed_config()
     checks: list[LogitsCheck] = []
     vocab = len(tokenizer) if tokenizer is not None else None
     if (export_dir / MERGED_DIR).is_dir() and vocab is not None:
