@@ -2,7 +2,9 @@
 Llama with a reward it can learn from reward alone (the share of even token ids in its
 completion: about 0.5 for the random model, 1.0 at best), written in a Python file the
 job names by path. The mean reward goes from its start to at least 0.9 of its maximum;
-the metrics carry TRL's names and completions.jsonl a sample with rewards."""
+the metrics carry TRL's names and completions.jsonl a sample with rewards. One worker is
+SIGKILLed after step 7; the group resumes from the step-5 checkpoint and samples steps 6
+and 7 again: the same completions, so the same rewards and losses."""
 
 from __future__ import annotations
 
@@ -21,6 +23,12 @@ def even_tokens(prompts, completions, completion_ids, **columns):
     assert all(columns["topic"][i] == "sums" for i in range(len(prompts)))
     return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
 """
+
+
+def _attempts(records, steps: list[int]) -> tuple[list, list]:
+    """(reward, loss) of each step in the first attempt and in the resumed one."""
+    by = {(r.get("attempt"), r["step"]): (r["reward"], r["loss"]) for r in records if "reward" in r}
+    return [by[(1, s)] for s in steps], [by[(2, s)] for s in steps]
 
 
 def test_grpo_learns_a_reward_on_two_workers(ray_cluster, tiny, tmp_path: Path) -> None:
@@ -50,11 +58,13 @@ def test_grpo_learns_a_reward_on_two_workers(ray_cluster, tiny, tmp_path: Path) 
             },
         },
         optim={"lr": 3e-2, "warmup_steps": 0, "schedule": "constant"},
-        checkpoint={"every_steps": 14, "keep_last": 1},
+        checkpoint={"every_steps": 5, "keep_last": 1, "upload": "sync"},
     )
-    cfg, _, logs = run_to_end(ray_cluster, path)
-    records, _, _ = history(cfg)
-    steps = [r for r in records if "reward" in r]
+    cfg, _, logs = run_to_end(ray_cluster, path, env={"RAYLIFT_FAULT_KILL_AFTER_STEP": "7"})
+    records, kept, _ = history(cfg)
+    first, resumed = _attempts(records, [6, 7])
+    assert first == resumed  # (reward, loss) of steps 6 and 7, bit for bit
+    steps = [r for r in kept if "reward" in r]
     assert [r["step"] for r in steps] == list(range(1, 15)), logs[-3000:]
     start = sum(r["reward"] for r in steps[:2]) / 2
     end = sum(r["reward"] for r in steps[-3:]) / 3
