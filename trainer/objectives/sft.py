@@ -105,14 +105,21 @@ class RouterAux:
         target = getattr(recorder, "target_class", recorder)
         self.index = getattr(recorder, "index", 0)
         self.routers = [m for m in hf.modules() if isinstance(m, target)]
-        self.func = sys.modules[type(hf).__module__].load_balancing_loss_func
+        # The modeling file of its class (FSDP2 makes a subclass in a module of its own).
+        files = [sys.modules.get(c.__module__) for c in type(hf).__mro__]
+        self.func = next(
+            f.load_balancing_loss_func
+            for f in files
+            if f is not None and hasattr(f, "load_balancing_loss_func")
+        )
 
     @classmethod
     def find(cls, model: torch.nn.Module) -> RouterAux | None:
         """The router of the causal LM inside `model` (through DDP, PEFT or DeepSpeed
         wrappers), or None for a dense model."""
         for m in model.modules():
-            if hasattr(m, "router_aux_loss_coef") and hasattr(m, "num_experts_per_tok"):
+            # Its own attributes (a PEFT wrapper forwards them to the model it wraps).
+            if "router_aux_loss_coef" in vars(m) and "num_experts_per_tok" in vars(m):
                 for inner in m.modules():
                     rec = getattr(type(inner), "_can_record_outputs", None) or {}
                     if "router_logits" in rec:

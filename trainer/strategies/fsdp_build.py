@@ -49,6 +49,7 @@ def build_part(
             attn_implementation=attention.for_job(cfg, source.model_dir).impl,
             dtype=torch.float32,
         )
+    weights = checkpoint_layout(model, weights)  # e.g. per-expert Linears → fused experts
     if getattr(model.config, "tie_word_embeddings", False):
         # accelerate's meta init unties lm_head from embed_tokens (Gemma, small Qwen
         # and Llama 3.2): lm_head would stay uninitialised memory after to_empty().
@@ -151,3 +152,49 @@ def _tied_keys(model: Any) -> list[str]:
     if not getattr(model.config, "tie_word_embeddings", False):
         return []
     return list(keys)
+
+
+def checkpoint_layout(model: Any, weights: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's weights under the model's own names and shapes, converted as
+    transformers' `from_pretrained` converts them: its conversion mapping for the model
+    (`get_model_conversion_mapping`: renamings, then at most one converter per key; e.g. a
+    mixture-of-experts checkpoint's per-expert `mlp.experts.N.down_proj.weight` Linears
+    stacked into transformers 5's fused `mlp.experts.down_proj`). FSDP2 fills its sharded
+    skeleton from a plain state dict and so skips from_pretrained; without this the load
+    stops with "unexpected ['model.layers.0.mlp.experts.0.down_proj.weight', ...]". A
+    checkpoint already in the model's layout passes through unchanged. `model` is the
+    causal LM before adapters (meta tensors are fine: only its names and config are read).
+    Converted tensors are materialised (stacked) on this rank's host; the rest stay
+    memory-mapped."""
+    from copy import deepcopy
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        PrefixChange,
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        rename_source_key,
+    )
+
+    transforms = get_model_conversion_mapping(model)
+    if not transforms:
+        return weights
+    renamings = [
+        t for t in transforms if isinstance(t, WeightRenaming) and not isinstance(t, PrefixChange)
+    ]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    out: dict[str, Any] = {}
+    pending: dict[str, Any] = {}
+    for key in sorted(weights, key=dot_natural_key):  # experts in their index order
+        target, pattern = rename_source_key(key, renamings, converters)
+        if pattern is None:
+            out[target] = weights[key]
+            continue
+        conv = pending.setdefault(target, deepcopy(by_pattern[pattern]))
+        conv.add_tensor(target, key, pattern, weights[key])
+    for first, conv in pending.items():
+        for name, tensor in conv.convert(first, model=model, config=model.config).items():
+            out[name] = tensor[0] if isinstance(tensor, list) else tensor
+    return out
