@@ -8,9 +8,10 @@ fixed for RL), so it regenerates the same completions, and the training RNG stre
 left-padded as TRL pads a generation batch: on CPU a call per prompt's group cost 4-6
 times the decoding steps for a few prompts a worker.
 
-Strategies whose forward is collective (FSDP2's per-layer all-gathers, ZeRO-3's
-partitions) would need every rank to run the same number of decoding steps; this build
-refuses them for the RL objectives (trainer.config.job), so the model here is whole.
+Under FSDP2 and ZeRO-3 the forward is collective (each layer's shards are gathered as it
+runs), so every rank must run the same number of decoding steps: `synced` passes
+transformers' `synced_gpus`, which keeps a rank that finished decoding in step (forwards
+without output) until every rank has. The weights are used as they are, never copied.
 """
 
 from __future__ import annotations
@@ -47,8 +48,14 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class GenerateEngine:
-    def __init__(self, model: torch.nn.Module, sampling: Sampling, device: torch.device):
-        self.model, self.s, self.device = model, sampling, device
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        sampling: Sampling,
+        device: torch.device,
+        synced: bool = False,
+    ):
+        self.model, self.s, self.device, self.synced = model, sampling, device, synced
 
     def sample(self, prompts: list[list[int]], n: int, seed: int) -> list[list[int]]:
         """`n` completions of each prompt (prompt-major: a prompt's group side by side),
@@ -79,6 +86,7 @@ class GenerateEngine:
                     num_return_sequences=n,
                     eos_token_id=self.s.eos_id,
                     pad_token_id=self.s.pad_id,
+                    synced_gpus=self.synced,
                 )
         finally:
             model.train(was_training)

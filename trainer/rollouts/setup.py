@@ -68,7 +68,13 @@ def bind_feed(cfg: JobConfig, strategy: Any, feed: RolloutFeed) -> None:
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     sampling = Sampling(rl.temperature, rl.top_p, rl.max_completion_length, eos, pad)
-    engine = GenerateEngine(strategy.model, sampling, strategy.device)
+    # FSDP2's forward gathers each layer's shards: every rank decodes as many steps
+    synced = (
+        cfg.strategy.name == "fsdp"
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )
+    engine = GenerateEngine(strategy.model, sampling, strategy.device, synced)
     rewards = Rewards(rl.rewards, rl.reward_timeout_s, Path.cwd())
     micro = cfg.train.micro_batch_size
     policy = _logps_fn(strategy.model, strategy, rl.temperature, micro)

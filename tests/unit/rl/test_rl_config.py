@@ -101,10 +101,17 @@ def test_refused_in_one_line(train, top, message) -> None:
     assert "\n" not in str(e.value).strip()
 
 
-@pytest.mark.parametrize("strategy", [{"name": "fsdp"}, {"name": "deepspeed"}])
-def test_sharded_weights_refused_for_now(strategy) -> None:
-    with pytest.raises(ConfigError, match=r"with train\.objective grpo is not in this build"):
-        _cfg(strategy=strategy)
+def test_sharded_strategies() -> None:
+    """fsdp samples with its weights sharded (synced decoding); its full fine-tuning
+    reference and ZeRO-3 are refused for now, each in one line."""
+    assert _cfg(strategy={"name": "fsdp"}).strategy.name == "fsdp"
+    beta = {"rl": {"rewards": REWARD, "beta": 0.04}}
+    lora = _cfg(beta, strategy={"name": "fsdp"}, model={"path": "unused", "adapter": "lora"})
+    assert lora.model.adapter == "lora"
+    with pytest.raises(ConfigError, match=r"train\.rl\.beta: a reference with strategy fsdp"):
+        _cfg(beta, strategy={"name": "fsdp"})
+    with pytest.raises(ConfigError, match=r"strategy\.config: zero3 with train\.objective grpo"):
+        _cfg(strategy={"name": "deepspeed"})
     assert _cfg(strategy={"name": "deepspeed", "config": "zero2"}).strategy.name == "deepspeed"
 
 
