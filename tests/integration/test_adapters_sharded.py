@@ -375,6 +375,7 @@ def test_fsdp_lora_matches_ddp_resumes_on_one_worker_and_exports(
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     got, want = _probe(AutoModelForCausalLM.from_pretrained(export / "model_merged"), run_dir)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert json.loads((export / "checks.json").read_text())["checks"][0]["passed"]  # FSDP2 merge
 
 
 def test_fsdp_qlora_resumes_exactly_after_a_kill_and_exports(ray_cluster, tiny, tmp_path):
