@@ -110,9 +110,10 @@ class Layout:
 
 def flops_per_token(shape: ModelShape, s: Setup) -> float:
     """6·M for full training (2·M forward, 4·M backward); 4·M with a frozen base (no
-    weight gradients); +2·M when activation checkpointing recomputes the forward."""
+    weight gradients); +2·M when activation checkpointing recomputes the forward. M is the
+    active parameters (a mixture of experts': those a token is routed through)."""
     base = 4.0 if s.adapter != "none" else 6.0
-    return (base + (2.0 if s.checkpointing else 0.0)) * shape.params
+    return (base + (2.0 if s.checkpointing else 0.0)) * shape.active_params
 
 
 def throughput(

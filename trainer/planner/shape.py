@@ -79,6 +79,14 @@ class ModelShape:
     sliding_window: int | None = None
     """The sliding window of the layers that have one (memory does not depend on it with
     sdpa and eager, which build the full score matrix either way)."""
+    experts: int = 0
+    """Routed experts per layer of a mixture-of-experts model (0: a dense MLP)."""
+    experts_per_tok: int = 0
+    """Experts each token is routed to: the active part FLOPs are counted on."""
+    expert_intermediate: int = 0
+    """One expert's intermediate width (moe_intermediate_size; Mixtral's intermediate_size)."""
+    shared_intermediate: int = 0
+    """A shared expert's intermediate width (Qwen2-MoE), 0 without one."""
 
     @classmethod
     def from_hf_config(cls, conf: dict[str, Any], where: str = "config.json") -> ModelShape:
@@ -104,10 +112,11 @@ class ModelShape:
                 mlp_bias=bool(conf.get("mlp_bias", False)),
                 model_type=model_type,
                 norms=4 if gemma else 2,
-                qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3"),
+                qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3"),
                 logit_softcap=_number(conf.get("final_logit_softcapping")),
                 attn_softcap=_number(conf.get("attn_logit_softcapping")),
                 sliding_window=_window(conf),
+                **_experts(conf),
             )
         except KeyError as exc:
             raise UserError(
@@ -138,6 +147,17 @@ class ModelShape:
         """(in, out) of each linear in one decoder layer, by its module name (Phi-3 fuses
         q/k/v into qkv_proj and gate/up into gate_up_proj)."""
         h, i = self.hidden, self.intermediate
+        if self.experts:  # attention, and the shared expert's MLP where there is one
+            out = {
+                "q_proj": (h, self.q_dim),
+                "k_proj": (h, self.kv_dim),
+                "v_proj": (h, self.kv_dim),
+                "o_proj": (self.q_dim, h),
+            }
+            if self.shared_intermediate:
+                si = self.shared_intermediate
+                out.update(gate_proj=(h, si), up_proj=(h, si), down_proj=(si, h))
+            return out
         if self.model_type == "phi3":
             return {
                 "qkv_proj": (h, self.q_dim + 2 * self.kv_dim),
@@ -155,9 +175,24 @@ class ModelShape:
             "down_proj": (i, h),
         }
 
+    def expert_shapes(self) -> dict[str, tuple[int, int, int]]:
+        """(experts, out, in) of each fused routed-expert parameter in one layer."""
+        if not self.experts:
+            return {}
+        h, e, ei = self.hidden, self.experts, self.expert_intermediate
+        return {"experts.gate_up_proj": (e, 2 * ei, h), "experts.down_proj": (e, h, ei)}
+
+    @property
+    def router_params(self) -> int:
+        """A layer's router (and shared-expert gate): hidden → experts (→ 1)."""
+        return self.hidden * (self.experts + (1 if self.shared_intermediate else 0))
+
     @property
     def layer_linear_params(self) -> int:
-        return sum(a * b for a, b in self.linear_shapes().values())
+        """Every matrix of a layer, all routed experts included (memory holds them all)."""
+        experts = sum(math.prod(s) for s in self.expert_shapes().values())
+        linears = sum(a * b for a, b in self.linear_shapes().values())
+        return linears + experts + (self.router_params if self.experts else 0)
 
     @property
     def layer_params(self) -> int:
@@ -179,6 +214,17 @@ class ModelShape:
         return self.embedding_params + self.layers * self.layer_params + self.hidden + head
 
     @property
+    def active_params(self) -> int:
+        """The parameters one token runs through: all of a dense model's; a mixture of
+        experts' less the routed experts it is not sent to. FLOPs and MFU count these;
+        memory counts `params`."""
+        if not self.experts or self.params_override is not None:
+            return self.params
+        idle = (self.experts - self.experts_per_tok) / self.experts
+        routed = sum(math.prod(s) for s in self.expert_shapes().values())
+        return self.params - round(self.layers * routed * idle)
+
+    @property
     def root_params(self) -> int:
         """What is not in a decoder layer: embeddings, final norm, lm_head."""
         return max(self.params - self.layers * self.layer_params, 0)
@@ -195,9 +241,19 @@ class ModelShape:
         return families.resolve_targets(setting, conf) or tuple(self.linear_shapes())
 
     def lora_params(self, r: int, targets: Any) -> int:
+        from trainer.model import families
+
+        setting = targets
         targets = self.lora_targets(targets)
         shapes = self.linear_shapes()
-        return self.layers * sum(r * (a + b) for n, (a, b) in shapes.items() if n in targets)
+        n = sum(r * (a + b) for name, (a, b) in shapes.items() if name in targets)
+        if isinstance(setting, list | tuple) and len(setting) == 1:
+            setting = setting[0] if setting[0] in ("auto", "all-linear") else list(setting)
+        fused = families.resolve_parameters(setting, {"model_type": self.model_type})
+        # peft's adapter on a fused (experts, out, in) parameter: A (r·experts × in) and
+        # B (out × r·experts).
+        n += sum(r * e * (o + i) for t, (e, o, i) in self.expert_shapes().items() if t in fused)
+        return self.layers * n
 
     def attention(self, requested: str) -> str:
         """model.attn_implementation resolved for this family (trainer.model.families)."""
@@ -247,6 +303,21 @@ def shape_for_job(cfg: JobConfig, read_text: Any = None) -> ModelShape:
         # An upper bound: tokens the tokenizer already has do not grow the vocabulary.
         shape = ModelShape(**{**asdict(shape), "vocab": shape.vocab + extra})
     return shape
+
+
+def _experts(conf: dict[str, Any]) -> dict[str, int]:
+    """A mixture-of-experts config's expert fields (Qwen2/3-MoE's num_experts and
+    moe_intermediate_size, Mixtral's num_local_experts and intermediate_size, gpt-oss's
+    num_local_experts); none for a dense model."""
+    experts = int(conf.get("num_experts") or conf.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    return {
+        "experts": experts,
+        "experts_per_tok": int(conf.get("num_experts_per_tok") or experts),
+        "expert_intermediate": int(conf.get("moe_intermediate_size") or conf["intermediate_size"]),
+        "shared_intermediate": int(conf.get("shared_expert_intermediate_size") or 0),
+    }
 
 
 def _number(value: Any) -> float | None:
