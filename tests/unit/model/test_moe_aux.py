@@ -89,3 +89,18 @@ def test_a_dense_model_has_no_router_and_no_metric():
     x, y = batch(5, 2)
     assert torch.equal(sft.loss(model, x, y, None), model(input_ids=x, labels=y).loss)
     assert sft.metrics(identity) == {}
+
+
+def test_aux_loss_under_activation_checkpointing_gives_the_same_router_gradient():
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_moe("qwen3_moe")
+        if checkpointing:  # the routers run again in backward, after the hooks are gone
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        x, y = batch(7, 2)
+        SFT(lora_cfg()).loss(model, x, y, None).backward()
+        grads.append(model.model.layers[0].mlp.gate.weight.grad)
+    assert torch.allclose(grads[0], grads[1], atol=1e-7)
+    assert grads[0].abs().sum() > 0
