@@ -1,6 +1,6 @@
 """The rooms of DESIGN.md, kept by tests rather than by review.
 
-- What a laptop runs before submitting (config, preflight, the planner, tools/plan.py and
+- What a laptop runs before submitting (config, preflight, the planner, tools/plan/ and
   tools/submit.py's validate-and-plan) works with torch, Ray, numpy and pyarrow absent.
 - trainer imports neither tools nor infra; infra imports neither trainer nor tools; inside
   the planner, the model and the strategies each module imports only from the layers below

@@ -1,5 +1,5 @@
 """A plan as text, and the planner's command-line arguments (shared by `python -m trainer plan`,
-`tools/plan.py` and the job CLI's refusal before submitting).
+`tools/plan/` and the job CLI's refusal before submitting).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def gib(x: float) -> str:
 
 
 def format_plan(p: Plan) -> str:
-    """The plan as plain text (the trainer side prints this; tools/plan.py uses rich)."""
+    """The plan as plain text (the trainer side prints this; tools/plan/ uses rich)."""
     s, r = p.setup, p.rank
     adapter = "" if s.adapter == "none" else f" + {s.adapter} r={s.lora_r} on "
     adapter += ",".join(s.lora_targets) if s.adapter != "none" else ""
@@ -160,7 +160,7 @@ def memory_sum_lines(p: Plan) -> list[str]:
 
 
 def add_arguments(p: Any) -> None:
-    """The planner's options, shared by `python -m trainer plan`, tools/plan.py and submit."""
+    """The planner's options, shared by `python -m trainer plan`, tools/plan/ and submit."""
     p.add_argument("--instance", help="worker pool instance type (catalog name), e.g. g5.xlarge")
     p.add_argument(
         "--rank0-instance",

@@ -273,7 +273,7 @@ LLAMA2_7B_CONFIG: dict[str, Any] = {
     "tie_word_embeddings": False,
     "max_position_embeddings": 4096,
 }
-"""Llama-2-7B's config.json: the docs' example jobs (tools/planfigures.py,
+"""Llama-2-7B's config.json: the docs' example jobs (tools/docgen/planfigures.py,
 tools/cadencefigures.py) and the planner tests' reference shape."""
 
 _REFERENCE_SHAPES = (
