@@ -124,7 +124,7 @@ def test_malformed_line_deep_in_file_fails_on_cluster_with_file_line(
     assert rc == 1
     assert "error: job raylift-badline-" in out.err and " FAILED" in out.err
     tail = [x for x in out.err.splitlines() if x.startswith("  | ")]
-    assert any(f"{bad}:1201: expected an object with a string" in x for x in tail), out.err
+    assert any(f'{bad}:1201: "input" must be a string' in x for x in tail), out.err
     assert "Traceback" not in out.out + out.err  # one clear line, not a stack
     assert not (tmp_path / "runs" / "badline").exists()  # no worker ever started
 
