@@ -259,7 +259,9 @@ def judge(run: Run, records: list[dict[str, Any]], node_lost: float) -> tuple[in
     floor = next(d for d in last if d["reasons"]["storage"] == "write")
     before = [d for d in last if d["time"] < floor["time"]]
     assert before and before[-1]["reasons"]["storage"] != "write", last
-    assert _seconds(floor, "storage") > 1.25 * _seconds(before[-1], "storage"), last
+    # The first floor comes as soon as the measured write passes the interval it had, so it
+    # is longer, by however much the write measured then (4.03 -> 4.06 s on one CI run).
+    assert _seconds(floor, "storage") > _seconds(before[-1], "storage"), last
     assert _seconds(floor, "storage") >= 0.9 * floor["costs"]["storage_write_s"], floor
 
     # Goodput's parts add up to the wall time × workers.
