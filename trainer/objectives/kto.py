@@ -19,7 +19,6 @@ block 2i+1 its mismatched one, and a `.label` byte per row says which rows are d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,12 +27,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainer.config import JobConfig
-from trainer.data.blocks import BatchPlan, StepBatches
 from trainer.data.tokenize import TokenCache
-from trainer.errors import DataError, UserError
+from trainer.errors import DataError
 from trainer.objectives import losses
-from trainer.objectives.pairs import PairBlocks, PairFeed
-from trainer.objectives.preference import adapter_model
+from trainer.objectives.pairs import PairBlocks
+from trainer.objectives.preference import PairObjective, adapter_model
 
 METRICS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
 
@@ -42,6 +40,8 @@ class KTOBlocks(PairBlocks):
     """A KTO cache: `gather(rows)` is (ids, labels, reference log-probs) of the rows'
     sequences, then of their mismatched sequences (the layout the reference pass reads);
     `desirable[i]` is row i's label."""
+
+    unit = "KTO rows"
 
     def __init__(self, cache: TokenCache, block_size: int):
         super().__init__(cache, block_size)
@@ -54,6 +54,9 @@ class KTOBlocks(PairBlocks):
         if len(self.desirable) != len(self):
             raise DataError(f"{cache.dir}: not a KTO cache (labels do not match the rows)")
 
+    def batch_source(self) -> _Labelled:
+        return _Labelled(self)
+
 
 @dataclass
 class _Labelled:
@@ -63,23 +66,6 @@ class _Labelled:
 
     def gather(self, ix: np.ndarray) -> tuple[np.ndarray, ...]:
         return (*self.rows.gather(ix), self.rows.desirable[np.asarray(ix, dtype=np.int64)])
-
-
-def open_kto_feed(cfg: JobConfig, train: list[str], rank: int, world: int) -> PairFeed:
-    """The pair feed over KTO rows: batches are sampled by row, each carrying its
-    mismatched sequence and label, so a micro batch holds whole rows."""
-    rows = KTOBlocks(TokenCache(Path(train[0])), cfg.data.block_size)
-    replica, replicas = cfg.data_rank(rank, world)
-    plan = BatchPlan(
-        len(rows), cfg.train.micro_batch_size, cfg.grad_accum_for(world), replicas, cfg.train.seed
-    )
-    if plan.steps_per_epoch < 1:
-        raise UserError(
-            f"{cfg.data.train_file}: {len(rows)} KTO rows are fewer than one global batch "
-            f"({plan.global_batch} rows)"
-        )
-    batches = StepBatches(_Labelled(rows), plan, replica)  # type: ignore[arg-type]
-    return PairFeed(batches, plan, rows, cfg.data.block_size)
 
 
 def kto_losses(
@@ -107,43 +93,22 @@ def _mean_over_ranks(total: torch.Tensor, count: int) -> torch.Tensor:
     return total / count
 
 
-class KTO:
-    """The objective the loop calls for `train.objective: kto` (see the module's text)."""
+class KTO(PairObjective):
+    """The objective the loop calls for `train.objective: kto` (see the module's text);
+    its feed, reference pass and inputs are the pair objectives' (`PairObjective`), with
+    each row's label as `desirable`."""
+
+    kind = KTOBlocks
+    extras = ("desirable",)
 
     def __init__(self, cfg: JobConfig):
-        self.cfg = cfg
+        super().__init__(cfg)
         self.name = "kto"
         p = cfg.train.preference
         self.beta = p.beta_for("kto")
         self.weights = (p.desirable_weight, p.undesirable_weight)
         self.column_reference = cfg.model.adapter == "none"
         self._sums: torch.Tensor | None = None
-
-    # ---------------------------------------------------------------- data
-
-    def open_feed(self, train: list[str], eval_: list[str], rank: int, world: int) -> PairFeed:
-        return open_kto_feed(self.cfg, train, rank, world)
-
-    def before_training(self, strategy: Any, feed: PairFeed, rt: Any) -> None:
-        """Full fine-tuning: the reference's log-probs of both sequences, once."""
-        if self.column_reference:
-            from trainer.objectives.reference import ensure_reference
-
-            ensure_reference(self.cfg, strategy, feed.first, rt)
-
-    def count(self, batch: tuple[np.ndarray, ...]) -> int:
-        return len(batch[0]) // 2
-
-    def inputs(
-        self, batch: tuple[np.ndarray, ...], device: torch.device, attend: Any = None
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        ids, labels, ref, desirable = batch
-        x = torch.from_numpy(ids).to(device, non_blocking=True)
-        y = torch.from_numpy(labels).to(device, non_blocking=True)
-        kw: dict[str, Any] = {"desirable": torch.from_numpy(np.asarray(desirable)).to(device)}
-        if self.column_reference:
-            kw["ref"] = torch.from_numpy(ref).to(device)
-        return x, y, kw
 
     # ---------------------------------------------------------------- the loss
 

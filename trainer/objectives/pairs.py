@@ -251,6 +251,8 @@ class PairBlocks:
     log-probs), 2 × len(pairs) rows, chosen rows first. The reference column is NaN until
     `trainer.objectives.reference` fills it."""
 
+    unit = "pairs"  # what the feed's errors count
+
     def __init__(self, cache: TokenCache, block_size: int):
         self.blocks = PackedBlocks(cache, block_size)
         self.cache = cache
@@ -269,6 +271,11 @@ class PairBlocks:
         rows = self.rows(pairs)
         ids, labels = self.blocks.gather(rows)
         return ids, labels, self.reference[rows]
+
+    def batch_source(self) -> Any:
+        """What the step's batches gather from: the pairs themselves here; a cache with a
+        column per row beyond them (KTO's labels) wraps itself to add it."""
+        return self
 
 
 @dataclass
@@ -296,18 +303,23 @@ class PairFeed:
         return {}
 
 
-def open_pair_feed(cfg: JobConfig, train: list[str], rank: int, world: int) -> PairFeed:
-    pairs = PairBlocks(TokenCache(Path(train[0])), cfg.data.block_size)
+def open_pair_feed(
+    cfg: JobConfig, train: list[str], rank: int, world: int, kind: type[PairBlocks] = PairBlocks
+) -> PairFeed:
+    """The loop's feed over a pair cache (`kind` reads it: pairs, or KTO's labelled rows):
+    batches are sampled by pair, so a micro batch holds whole pairs."""
+    pairs = kind(TokenCache(Path(train[0])), cfg.data.block_size)
     replica, replicas = cfg.data_rank(rank, world)
     plan = BatchPlan(
         len(pairs), cfg.train.micro_batch_size, cfg.grad_accum_for(world), replicas, cfg.train.seed
     )
     if plan.steps_per_epoch < 1:
         raise UserError(
-            f"{cfg.data.train_file}: {len(pairs)} pairs are fewer than one global batch "
-            f"({plan.global_batch} pairs)"
+            f"{cfg.data.train_file}: {len(pairs)} {pairs.unit} are fewer than one global batch "
+            f"({plan.global_batch} {pairs.unit})"
         )
-    return PairFeed(StepBatches(pairs, plan, replica), plan, pairs, cfg.data.block_size)  # type: ignore[arg-type]
+    batches = StepBatches(pairs.batch_source(), plan, replica)
+    return PairFeed(batches, plan, pairs, cfg.data.block_size)
 
 
 def data_options(cfg: JobConfig, settings: Settings) -> dict[str, Callable[..., Any] | Settings]:

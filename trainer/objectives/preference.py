@@ -17,7 +17,7 @@ import torch
 
 from trainer.config import JobConfig
 from trainer.objectives import losses
-from trainer.objectives.pairs import PairFeed, open_pair_feed
+from trainer.objectives.pairs import PairBlocks, PairFeed, open_pair_feed
 
 REFERENCE = ("dpo", "ipo", "hinge")
 METRICS = (
@@ -41,24 +41,23 @@ def adapter_model(model: torch.nn.Module) -> Any:
     return m
 
 
-class Preference:
+class PairObjective:
+    """What the objectives over a pair cache share (DPO and its kin, KTO): the feed of
+    whole pairs (or labelled rows: `kind`), the reference pass before step 1, the count a
+    step averages over, and a micro batch's tensors: ids, labels, the reference column
+    when there is one, and each of `extras` (columns after it, by keyword)."""
+
+    kind: type[PairBlocks] = PairBlocks
+    extras: tuple[str, ...] = ()
+    column_reference: bool = False
+
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
-        self.name = cfg.train.objective
-        p = cfg.train.preference
-        self.beta, self.gamma, self.smoothing = (
-            p.beta_for(self.name),
-            p.simpo_gamma,
-            p.label_smoothing,
-        )
-        self.adapter_reference = self.name in REFERENCE and cfg.model.adapter != "none"
-        self.column_reference = self.name in REFERENCE and cfg.model.adapter == "none"
-        self._sums: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- data
 
     def open_feed(self, train: list[str], eval_: list[str], rank: int, world: int) -> PairFeed:
-        return open_pair_feed(self.cfg, train, rank, world)
+        return open_pair_feed(self.cfg, train, rank, world, self.kind)
 
     def before_training(self, strategy: Any, feed: PairFeed, rt: Any) -> None:
         """Full fine-tuning against a reference: its log-probs, computed once (or read)."""
@@ -74,11 +73,28 @@ class Preference:
         self, batch: tuple[np.ndarray, ...], device: torch.device, attend: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """Pairs are never packed: causal attention, and the reference column if any."""
-        ids, labels, ref = batch
+        ids, labels, ref, *extra = batch
         x = torch.from_numpy(ids).to(device, non_blocking=True)
         y = torch.from_numpy(labels).to(device, non_blocking=True)
         kw = {"ref": torch.from_numpy(ref).to(device)} if self.column_reference else {}
+        for name, column in zip(self.extras, extra, strict=True):
+            kw[name] = torch.from_numpy(np.asarray(column)).to(device)
         return x, y, kw
+
+
+class Preference(PairObjective):
+    def __init__(self, cfg: JobConfig):
+        super().__init__(cfg)
+        self.name = cfg.train.objective
+        p = cfg.train.preference
+        self.beta, self.gamma, self.smoothing = (
+            p.beta_for(self.name),
+            p.simpo_gamma,
+            p.label_smoothing,
+        )
+        self.adapter_reference = self.name in REFERENCE and cfg.model.adapter != "none"
+        self.column_reference = self.name in REFERENCE and cfg.model.adapter == "none"
+        self._sums: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- the loss
 
