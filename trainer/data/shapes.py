@@ -95,27 +95,6 @@ def check_column_targets(columns: Mapping[str, str], known: Iterable[str] = COLU
             raise ValueError(f"{target}: the file's column name must be a non-empty string")
 
 
-def apply_columns(obj: Any, columns: Mapping[str, str]) -> tuple[dict[str, Any] | None, str | None]:
-    """The row with the file's column names renamed to shape fields by `columns`
-    ({field: column}), or why not: a missing column. An unmapped column that has a mapped
-    field's name is dropped (the mapping says which column that field is). Shared by the
-    SFT shapes and the preference rows (trainer.objectives.rows)."""
-    if not isinstance(obj, dict):
-        return None, "expected a JSON object"
-    if not columns:
-        return obj, None
-    missing = [f"{src!r} (for {tgt})" for tgt, src in columns.items() if src not in obj]
-    if missing:
-        return None, (
-            f"missing column {', '.join(missing)}; data.columns maps it: fix the mapping or the row"
-        )
-    taken = set(columns.values())
-    out = {k: v for k, v in obj.items() if k not in taken and k not in columns}
-    for target, source in columns.items():
-        out[target] = obj[source]
-    return out, None
-
-
 # ---------------------------------------------------------------- which shape
 
 
@@ -290,20 +269,19 @@ the chat template, its assistant turns trained). Alpaca and ShareGPT stand alone
 
 
 class RowReader:
-    """Reads one source's rows: maps its columns, decides its shape from its first row,
-    and holds every later row to it. The shape and the extra fields go to `report`."""
+    """Reads one source's rows (their columns already mapped: `iter_parsed`), decides its
+    shape from its first row, and holds every later row to it. The shape and the extra
+    fields go to `report`."""
 
-    def __init__(self, columns: Mapping[str, str] | None = None, report: ScanReport | None = None):
-        self.columns = dict(columns or {})
+    def __init__(self, report: ScanReport | None = None):
         self.report = report if report is not None else ScanReport()
         self.family: str | None = None
         self.shapes: list[str] = []
         self._fits: dict[tuple[str, ...], str] = {}  # a corpus's rows share their fields
 
-    def __call__(self, obj: Any) -> tuple[Example | None, str | None]:
-        row, problem = apply_columns(obj, self.columns)
-        if row is None:
-            return None, problem
+    def __call__(self, row: Any) -> tuple[Example | None, str | None]:
+        if not isinstance(row, dict):
+            return None, "expected a JSON object"
         keys = tuple(row)
         shape = self._fits.get(keys)
         if shape is None:
@@ -358,7 +336,7 @@ def iter_examples(
     columns: Mapping[str, str] | None = None,
 ) -> Iterator[Example]:
     """Each row's Example, read as its source's one shape (see `iter_parsed` for bad rows)."""
-    return iter_parsed(src, on_bad_line, report, RowReader(columns, report), endpoint, region)
+    return iter_parsed(src, on_bad_line, report, RowReader(report), endpoint, region, columns)
 
 
 def sample_check(

@@ -12,7 +12,7 @@ import glob
 import gzip
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,6 +205,27 @@ def _iter_parquet(
             yield row, obj, None
 
 
+def apply_columns(obj: Any, columns: Mapping[str, str]) -> tuple[dict[str, Any] | None, str | None]:
+    """The row with the file's column names renamed to shape fields by `columns`
+    ({field: column}), or why not: a missing column. An unmapped column that has a mapped
+    field's name is dropped (the mapping says which column that field is). `iter_parsed`
+    applies it, once, before any reader sees the row (SFT shapes, preference and KTO rows)."""
+    if not isinstance(obj, dict):
+        return None, "expected a JSON object"
+    if not columns:
+        return obj, None
+    missing = [f"{src!r} (for {tgt})" for tgt, src in columns.items() if src not in obj]
+    if missing:
+        return None, (
+            f"missing column {', '.join(missing)}; data.columns maps it: fix the mapping or the row"
+        )
+    taken = set(columns.values())
+    out = {k: v for k, v in obj.items() if k not in taken and k not in columns}
+    for target, source in columns.items():
+        out[target] = obj[source]
+    return out, None
+
+
 def iter_parsed(
     src: SourceFile,
     on_bad_line: str,
@@ -212,13 +233,17 @@ def iter_parsed(
     parse: Callable[[Any], tuple[Any, str | None]],
     endpoint: str | None = None,
     region: str | None = None,
+    columns: Mapping[str, str] | None = None,
 ) -> Iterator[Any]:
-    """Each row as `parse` reads it (an SFT Example, a preference Pair); a bad row raises
-    DataError naming file:line (file:row for parquet), or, with on_bad_line=skip, is
-    counted in `report`, never dropped silently."""
+    """Each row as `parse` reads it (an SFT Example, a preference Pair) after `columns`
+    (data.columns) renames its fields; a bad row raises DataError naming file:line
+    (file:row for parquet), or, with on_bad_line=skip, is counted in `report`, never
+    dropped silently."""
     unit = "row " if src.fmt == ".parquet" else ""
     for lineno, obj, problem in iter_raw(src, endpoint, region):
         item = None
+        if problem is None and columns:
+            obj, problem = apply_columns(obj, columns)
         if problem is None:
             item, problem = parse(obj)
         if item is None:

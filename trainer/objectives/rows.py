@@ -25,11 +25,10 @@ both message lists) and a boolean `label` (desirable or not).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.data.shapes import apply_columns
 from trainer.data.sources import ScanReport, SourceFile, iter_parsed, list_local
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -245,20 +244,6 @@ def parse_unpaired(obj: Any) -> tuple[Unpaired | None, str | None]:
     return row, None
 
 
-def _mapped(
-    parse: Callable[[Any], tuple[Any, str | None]], columns: Mapping[str, str] | None
-) -> Callable[[Any], tuple[Any, str | None]]:
-    """`parse` after data.columns renames the file's columns to the shape's fields."""
-    if not columns:
-        return parse
-
-    def read(obj: Any) -> tuple[Any, str | None]:
-        row, problem = apply_columns(obj, columns)
-        return (None, problem) if row is None else parse(row)
-
-    return read
-
-
 def iter_pairs(
     src: SourceFile,
     on_bad_line: str,
@@ -269,7 +254,7 @@ def iter_pairs(
 ) -> Any:
     """Each row's Pair; a bad row raises DataError naming file:line (file:row N for
     parquet), or, with on_bad_line=skip, is counted in `report`."""
-    return iter_parsed(src, on_bad_line, report, _mapped(parse_pair, columns), endpoint, region)
+    return iter_parsed(src, on_bad_line, report, parse_pair, endpoint, region, columns)
 
 
 def iter_unpaired(
@@ -281,8 +266,7 @@ def iter_unpaired(
     columns: Mapping[str, str] | None = None,
 ) -> Any:
     """Each KTO row, with iter_pairs' handling of bad rows."""
-    parse = _mapped(parse_unpaired, columns)
-    return iter_parsed(src, on_bad_line, report, parse, endpoint, region)
+    return iter_parsed(src, on_bad_line, report, parse_unpaired, endpoint, region, columns)
 
 
 def sample_check(
