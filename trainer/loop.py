@@ -13,7 +13,6 @@ export, the checkpoint, the report to Ray).
 from __future__ import annotations
 
 import functools
-import gc
 import json
 import math
 import random
@@ -23,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from trainer.checkpoint.manager import TrainState, staging
 from trainer.checkpoint.memory import MemoryTier
@@ -32,6 +30,8 @@ from trainer.config import JobConfig
 from trainer.data import packing
 from trainer.data.blocks import PackedBlocks
 from trainer.data.feed import TrainFeed, open_eval_sets
+from trainer.distributed import hostsync
+from trainer.distributed.seam import Runtime
 from trainer.model import attention
 from trainer.model.loading import (
     check_device,
@@ -41,13 +41,10 @@ from trainer.model.loading import (
 )
 from trainer.observability.evaluation import Evaluation, all_reduce_sum, target_count
 from trainer.observability.steps import StepReport
-from trainer.observability.tracking import trackers
 from trainer.resilience import faults
 from trainer.resilience import journal as journal_mod
 from trainer.resilience.attempt import checkpoint_manager, start_attempt
 from trainer.resilience.preemption import PreemptionWatch
-from trainer.runtime import hostsync
-from trainer.runtime.worker import RayRuntime, Runtime, TorchrunRuntime
 from trainer.strategies.base import ModelSource, Strategy, build_strategy
 
 
@@ -127,7 +124,7 @@ def _targets_per_rank(
     global batch with no target at all trains nothing (loss 0). The same all-reduce
     carries `flags` (summed over ranks), so a per-step decision costs no collective.
     `count` is the objective's (target tokens for SFT, pairs for a preference loss);
-    `reduce`, how ranks sum host floats (trainer.runtime.hostsync: never waiting for a GPU).
+    `reduce`, how ranks sum host floats (trainer.distributed.hostsync: never waiting for a GPU).
     Counts come from the host's batch and the divisor goes to the device asynchronously,
     so the step makes no host-device synchronisation here."""
     count = count or (lambda batch: target_count(batch[1]))
@@ -287,34 +284,3 @@ def _write_probe(
         body = json.dumps({"input_ids": x.cpu().tolist(), "logits": logits.tolist()})
         with loc.fs.open_output_stream(loc.path) as f:
             f.write(body.encode())
-
-
-# ------------------------------------------------------------------ entry points
-
-
-def ray_worker(config: dict[str, Any]) -> None:
-    """`train_loop_per_worker` for Ray Train's TorchTrainer."""
-    from trainer.observability.logs import setup_logging
-
-    setup_logging(ray_worker=True)
-    cfg = JobConfig.model_validate(config["job"])
-    try:
-        train(cfg, Prepared(**config["prepared"]), RayRuntime(cfg))
-    except BaseException:
-        trackers.close_active("failed")
-        raise
-
-
-def torchrun_worker(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
-    rt = TorchrunRuntime(cfg, cfg.backend)
-    try:
-        return train(cfg, prep, rt)
-    except BaseException:
-        trackers.close_active("failed")
-        raise
-    finally:
-        if dist.is_initialized():
-            # Whatever of the strategy a reference cycle still holds (a DDP reducer) goes
-            # before the group: destroyed after it, at interpreter exit, it can abort the rank.
-            gc.collect()
-            dist.destroy_process_group()

@@ -76,6 +76,7 @@ def step_tokens_per_s(cfg: Any, prep: Any, steps: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from trainer.distributed.hostsync import HostReduce, read_floats
     from trainer.loop import _forward_backward, _targets_per_rank, seed_all
     from trainer.model.loading import (
         check_device,
@@ -83,7 +84,6 @@ def step_tokens_per_s(cfg: Any, prep: Any, steps: int) -> dict[str, Any]:
         local_model_dir,
         local_tokenizer_dir,
     )
-    from trainer.runtime.hostsync import HostReduce, read_floats
     from trainer.strategies.base import ModelSource, build_strategy
 
     rank = dist.get_rank() if dist.is_initialized() else 0

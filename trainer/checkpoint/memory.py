@@ -209,10 +209,9 @@ class MemoryTier:
 
     def __init__(self, cfg: Any, rt: Any, manager: Any, device: Any):
         from trainer.checkpoint.cadence import memory_tier_on
-        from trainer.runtime.worker import RayRuntime
 
         self.rt, self.manager, self.device = rt, manager, device
-        on = manager.enabled and memory_tier_on(cfg, isinstance(rt, RayRuntime))
+        on = manager.enabled and memory_tier_on(cfg, getattr(rt, "under_ray", False))
         every = cfg.checkpoint.memory_every
         self.auto = on and every == "auto"  # the cadence decides (trainer.checkpoint.cadence)
         self.every = every if on and isinstance(every, int) else 0

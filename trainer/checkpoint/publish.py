@@ -20,8 +20,8 @@ from trainer.checkpoint.upload import upload_dir
 from trainer.config import JobConfig
 
 if TYPE_CHECKING:
+    from trainer.distributed.seam import Runtime
     from trainer.observability.steps import StepReport
-    from trainer.runtime.worker import Runtime
     from trainer.strategies.base import Strategy
 
 log = logging.getLogger("trainer")

@@ -22,7 +22,7 @@ from trainer.data.blocks import PackedBlocks, eval_indices
 from trainer.data.tokenize import IGNORE
 
 if TYPE_CHECKING:
-    from trainer.runtime.worker import Runtime
+    from trainer.distributed.seam import Runtime
     from trainer.strategies.base import Strategy
 
 Attend = Callable[[list[np.ndarray]], dict[str, Any]]

@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from trainer.distributed.hostsync import read_floats
 from trainer.observability.metrics import MetricsFile, mfu
-from trainer.runtime.hostsync import read_floats
 
 log = logging.getLogger("trainer")
 

@@ -177,7 +177,7 @@ class WorkerStats:
         group: Any = None,
     ):
         self.device = device
-        # A gloo group on a GPU job (trainer.runtime.hostsync): the values are host numbers,
+        # A gloo group on a GPU job (trainer.distributed.hostsync): the values are host numbers,
         # gathered in host memory without waiting for the device; None: the default group.
         self.group = group
         self.rank = rank

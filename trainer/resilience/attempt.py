@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.checkpoint import cadence_setup, fault_history
+from trainer.checkpoint import fault_history
 from trainer.checkpoint import manager as ckpt_mod
 from trainer.checkpoint.manager import (
     CheckpointManager,
@@ -29,14 +29,15 @@ from trainer.checkpoint.manager import (
 )
 from trainer.checkpoint.memory import MemoryTier
 from trainer.config import JobConfig
+from trainer.distributed import hostsync
+from trainer.distributed.seam import Runtime
 from trainer.model import attention
 from trainer.observability.metrics import MetricsFile, lineage, peak_flops, read_records
 from trainer.observability.steps import StepReport
 from trainer.observability.tracking.trackers import open_tracker
 from trainer.observability.workerstats import WorkerStats
+from trainer.resilience import cadence_setup
 from trainer.resilience import journal as journal_mod
-from trainer.runtime import hostsync
-from trainer.runtime.worker import RayRuntime, Runtime
 
 if TYPE_CHECKING:
     from trainer.data.feed import TrainFeed
@@ -195,7 +196,7 @@ def start_attempt(
 
 def _ray_gauges(cfg: JobConfig, rt: Runtime) -> Any:
     """Per-worker gauges for Ray's metrics (dashboard, Prometheus) on a Ray run."""
-    if not cfg.tracking.ray_metrics or not isinstance(rt, RayRuntime):
+    if not cfg.tracking.ray_metrics or not rt.under_ray:
         return None
     from trainer.observability.workerstats import RayGauges
 

@@ -166,7 +166,7 @@ def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from trainer.loop import ray_worker
+    from trainer.runtime.entry import ray_worker
 
     _connect_ray()
     from trainer.checkpoint import memory
@@ -341,7 +341,7 @@ def _worker_env(cfg: JobConfig | None = None) -> dict[str, str]:
 
 def launch_torchrun(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
     from trainer.checkpoint.manager import find_latest
-    from trainer.loop import torchrun_worker
+    from trainer.runtime.entry import torchrun_worker
 
     last = torchrun_worker(cfg, prep)
     run = run_location(cfg)

@@ -75,6 +75,7 @@ class Runtime:
     journal: Journal | None = None  # rank 0 only
     retry_s: float = 300.0
     stuck_s: float = 600.0
+    under_ray: bool = False  # Ray Train started this worker (trainer.distributed.seam)
 
     def latest_checkpoint(self) -> Path | None:
         raise NotImplementedError
@@ -217,6 +218,8 @@ class Runtime:
 
 
 class RayRuntime(Runtime):
+    under_ray = True
+
     def __init__(self, cfg: JobConfig):
         import ray
         import ray.train

@@ -14,7 +14,8 @@ import pytest
 
 from tests.support.past_runs import SPOT, H, T, attempt, write_past_runs
 from trainer.checkpoint import cadence as cad
-from trainer.checkpoint import cadence_setup, fault_history, past_runs
+from trainer.checkpoint import fault_history, past_runs
+from trainer.resilience import cadence_setup
 from trainer.resilience import journal as journal_mod
 from trainer.resilience.journal import Journal
 from trainer.storage.location import resolve

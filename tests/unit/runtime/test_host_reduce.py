@@ -1,4 +1,4 @@
-"""The step's agreement on a GPU job (trainer.runtime.hostsync): host floats summed on a
+"""The step's agreement on a GPU job (trainer.distributed.hostsync): host floats summed on a
 gloo group of its own, never as a device tensor, and the per-worker stats gathered on it;
 two real gloo processes on CPU (the module stays light: spawn imports it in each)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from trainer.runtime.hostsync import HostReduce
+from trainer.distributed.hostsync import HostReduce
 
 
 def _two_ranks(rank: int, store: str, out: str) -> None:

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from trainer.config import load_config
+from trainer.distributed.hostsync import HostReduce, read_floats, to_device
 from trainer.loop import train
 from trainer.observability.workerstats import WorkerStats
 from trainer.runtime import launch
-from trainer.runtime.hostsync import HostReduce, read_floats, to_device
 from trainer.runtime.worker import TorchrunRuntime
 
 TRAINER = str(Path(__file__).resolve().parents[3] / "trainer")

@@ -1,5 +1,7 @@
-"""The run's cadence component, built from the job and the runtime (the loop's side of
-`trainer.checkpoint.cadence`, which stays pure for the planner and its simulator)."""
+"""The run's cadence component, built from the job, the runtime and the run's failure
+journal (the loop's side of `trainer.checkpoint.cadence`, which stays pure for the planner
+and its simulator). It lives beside the journal it reads and the attempt's start that
+builds it, above the checkpoint package, whose cadence it configures."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import Any
 
 from trainer.checkpoint import fault_history
 from trainer.checkpoint.cadence import Cadence, for_run, memory_tier_on, spot_band_of
+from trainer.resilience import journal as journal_mod
 
 
 def for_job(cfg: Any, rt: Any, past_runs: dict[str, Any] | None = None) -> Cadence | None:
@@ -17,9 +20,6 @@ def for_job(cfg: Any, rt: Any, past_runs: dict[str, Any] | None = None) -> Caden
     pool move the rates, unless the job states its rate (checkpoint.failure_rate_per_hour)."""
     if cfg.train.as_test:
         return None
-    from trainer.resilience import journal as journal_mod
-    from trainer.runtime.worker import RayRuntime
-
     labels = dict(getattr(rt, "node_labels", {}) or {})
     pool = fault_history.pool_record(labels, rt.world_size)
     try:
@@ -48,7 +48,7 @@ def for_job(cfg: Any, rt: Any, past_runs: dict[str, Any] | None = None) -> Caden
     cadence = for_run(
         every_steps=cfg.checkpoint.every_steps,
         memory_every=cfg.checkpoint.memory_every,
-        memory_tier=memory_tier_on(cfg, isinstance(rt, RayRuntime)),
+        memory_tier=memory_tier_on(cfg, getattr(rt, "under_ray", False)),
         max_overhead=cfg.checkpoint.max_overhead,
         max_interval_s=cfg.checkpoint.max_interval_s,
         failure_rate_per_hour=cfg.checkpoint.failure_rate_per_hour,
