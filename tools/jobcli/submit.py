@@ -58,6 +58,10 @@ def absolutize(cfg: JobConfig, base: Path) -> JobConfig:
                 absolute(v) if isinstance(v, str) else {**v, "path": absolute(v["path"])}
                 for v in value
             ]
+    for reward in data["train"]["rl"]["rewards"]:  # path/to/file.py:name (never a Hub id)
+        file, sep, name = reward["function"].rpartition(":")
+        if sep and file.endswith(".py") and not Path(file).is_absolute():
+            reward["function"] = f"{(base / file).resolve()}:{name}"
     return JobConfig.model_validate(data)
 
 

@@ -145,6 +145,27 @@ def test_submit_keeps_hub_ids_as_written(tmp_path: Path) -> None:
     assert rel.data.train_file == str(tmp_path / "data" / "train.jsonl")
 
 
+def test_submit_makes_a_reward_files_path_absolute_as_data_paths(tmp_path: Path) -> None:
+    """The job runs in an uploaded folder holding only job.yaml: a reward file given
+    relative to where `raylift run` was typed is read from there, as data paths are."""
+    from tools.jobcli.submit import absolutize
+
+    rl = {"rewards": [{"function": "rw/score.py:exact"}, {"function": "math_answer"}]}
+    job = load_config(
+        {
+            "model": {"path": str(tmp_path / "m")},
+            "data": {"train_file": "data/prompts.jsonl"},
+            "train": {"objective": "grpo", "max_steps": 1, "global_batch_size": 8, "rl": rl},
+            "scaling": {"num_workers": 1},
+            "run": {"name": "r1"},
+        }
+    )
+    out = absolutize(job, tmp_path)
+    got = [r.function for r in out.train.rl.rewards]
+    assert got == [f"{tmp_path / 'rw' / 'score.py'}:exact", "math_answer"]
+    assert out.data.train_file == str(tmp_path / "data" / "prompts.jsonl")
+
+
 def test_gated_repos_take_the_token_from_the_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
