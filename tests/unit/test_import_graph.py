@@ -9,7 +9,8 @@
   package, module or import between packages fails here until the page says so.
 
 The layers contracts themselves (a module importing from a layer above its own) are checked
-by import-linter, in tests/unit/test_import_rooms.py.
+by import-linter, in tests/unit/test_import_rooms.py; the contract over trainer's packages
+(`trainer-layers`) follows the page's package table, top first, and is checked here too.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "architecture.md"
 ROOTS = ("trainer", "tools")
 PACKAGES_HEADING = "### trainer/, package by package"
+TRAINER_CONTRACT = "trainer-layers"
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +177,7 @@ def _layers_contracts() -> list[dict]:
 
 
 def test_the_architecture_page_draws_each_layers_contract():
-    contracts = _layers_contracts()
+    contracts = [c for c in _layers_contracts() if c["id"] != TRAINER_CONTRACT]
     assert {c["id"] for c in contracts} >= {"planner-layers", "model-layers", "strategies-layers"}
     for c in contracts:
         (container,) = c["containers"]
@@ -187,6 +189,25 @@ def test_the_architecture_page_draws_each_layers_contract():
             f"{PAGE.name} {heading}: layers drawn {drawn}, the contract's are {want}"
         )
         assert all(r[1] for r in rows), f"{PAGE.name} {heading}: a layer has no role"
+
+
+def test_the_trainer_layers_contract_draws_the_packages_in_the_pages_order(graph):
+    """The contract over trainer's packages (one a layer, top first) and the page's package
+    table are one order: a package moved on the page moves in the contract, and a package
+    the code has must be in both. An optional layer, "(name)", is one not yet in trainer/."""
+    (contract,) = [c for c in _layers_contracts() if c["id"] == TRAINER_CONTRACT]
+    assert contract["containers"] == ["trainer"] and contract["exhaustive"]
+    real = set(_package_imports(graph))
+    layers = [layer.strip() for layer in contract["layers"]]
+    assert all("|" not in layer for layer in layers), "one package a layer, as the page draws"
+    named = [layer.strip("()") for layer in layers]
+    present = [n for n, layer in zip(named, layers, strict=True) if n in real]
+    assert not [n for n, layer in zip(named, layers, strict=True) if n not in real and layer == n]
+    drawn = [_names(r[0])[0] for r in _tables_under(PACKAGES_HEADING)]
+    assert present == drawn, (
+        f"pyproject.toml's {TRAINER_CONTRACT} layers {present} differ from the order of "
+        f"{PAGE.name} '{PACKAGES_HEADING}': {drawn}"
+    )
 
 
 def expected_cells(graph: grimp.ImportGraph) -> dict[str, str]:
