@@ -191,6 +191,8 @@ class JobConfig(_Section):
             if t.precision == "fp16":
                 raise ValueError("train.precision: fp16 is not supported with fsdp; use bf16")
             self._check_parallel(self.strategy)
+        if self.strategy.sp > 1:
+            self._check_sequence(self.strategy.sp)
         if self.strategy.name == "deepspeed" and self.optim.name == "adamw8bit":
             raise ValueError(
                 "optim.name: adamw8bit is not available with strategy deepspeed (DeepSpeed's "
@@ -289,6 +291,37 @@ class JobConfig(_Section):
             )
         return self
 
+    def _check_sequence(self, sp: int) -> None:
+        """What sequence parallelism needs from the config (the KV heads are checked from
+        the model's config.json by trainer.parallel.layout, in preflight)."""
+        st, s, t = self.strategy, self.scaling, self.train
+        if isinstance(st, FSDPOptions) and st.model_parallel > 1:
+            raise ValueError(
+                f"strategy.sp: {sp} with strategy.tp/pp > 1 is not in this build; use sp with "
+                "tp = pp = 1"
+            )
+        if s.elastic:
+            raise ValueError(
+                f"scaling.num_workers: [min, max] (elastic) needs strategy.sp = 1 (a sequence "
+                f"split over {sp} workers cannot lose one); use a fixed num_workers"
+            )
+        if s.max_workers % sp:
+            raise ValueError(
+                f"strategy.sp: {sp} does not divide scaling.num_workers {s.max_workers}; use a "
+                f"divisor of {s.max_workers}"
+            )
+        if self.data.block_size % sp:
+            raise ValueError(
+                f"data.block_size: {self.data.block_size} does not split into strategy.sp = "
+                f"{sp} equal parts; use a multiple of {sp}"
+            )
+        if t.objective != "sft":
+            raise ValueError(
+                f"train.objective: {t.objective} with strategy.sp > 1 is not in this build "
+                "(its sequence log-probs are sums over whole sequences on one rank); use sft "
+                "or sp: 1"
+            )
+
     def _check_parallel(self, st: FSDPOptions) -> None:
         """The (dp, pp, tp) layout checks that need only the config; the ones that need
         the model's config.json live in trainer.parallel.layout (run by the preflight)."""
@@ -348,8 +381,10 @@ class JobConfig(_Section):
 
     @property
     def model_parallel(self) -> int:
+        """Workers that read one batch between them: tp × pp × sp (sequence parallelism
+        splits each of the batch's sequences over its sp workers)."""
         st = self.strategy
-        return st.model_parallel if isinstance(st, FSDPOptions) else 1
+        return (st.model_parallel if isinstance(st, FSDPOptions) else 1) * st.sp
 
     def data_rank(self, rank: int, world_size: int) -> tuple[int, int]:
         """(replica index, replicas) of a worker: the mesh is (dp, pp, tp) in row-major

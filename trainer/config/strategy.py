@@ -4,15 +4,22 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from trainer.config.base import _Section
+
+SP_DESCRIPTION = (
+    "Sequence-parallel size (Ulysses): each sequence is split over this many consecutive "
+    "workers, attention runs on whole sequences through an all-to-all over heads; "
+    "data-parallel replicas = workers / sp. Must divide the workers and the model's KV heads."
+)
 
 
 class DDPOptions(_Section):
     """Every rank holds the whole model; gradients are all-reduced."""
 
     name: Literal["ddp"] = Field(default="ddp", description="Data parallel: whole model per rank.")
+    sp: int = Field(default=1, ge=1, description=SP_DESCRIPTION)
 
 
 class FSDPOptions(_Section):
@@ -50,6 +57,7 @@ class FSDPOptions(_Section):
         description="Pipeline schedule; interleaved_1f1b and zbv hold two stages per worker "
         "(a smaller bubble, microbatches a multiple of pp).",
     )
+    sp: int = Field(default=1, ge=1, description=SP_DESCRIPTION)
     microbatches: int | None = Field(
         default=None,
         ge=1,
@@ -80,6 +88,22 @@ class DeepSpeedOptions(_Section):
         description="Shipped config (zero2, zero3, zero3_offload) or a path to a DeepSpeed JSON; "
         '"auto" values are filled from this job, contradicting ones are errors.',
     )
+    sp: int = Field(
+        default=1,
+        ge=1,
+        description="Sequence parallelism is not in this build under DeepSpeed (ZeRO-3 with "
+        "ALST): keep 1, or use strategy fsdp with sp.",
+    )
+
+    @field_validator("sp")
+    @classmethod
+    def _no_sp(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(
+                f"strategy.sp: {v} with strategy deepspeed is not in this build (ZeRO-3 with "
+                "DeepSpeed's ALST is not wired); use strategy fsdp (or ddp) with sp, or sp: 1"
+            )
+        return v
 
 
 StrategyOptions = Annotated[

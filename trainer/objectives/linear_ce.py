@@ -68,8 +68,12 @@ logit scaling beyond the softcap; `logits_to_keep` only slices the hidden states
 left to the plain forward)."""
 
 
-def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
-    """Each position's next token (the last position's is ignored), flattened."""
+def shifted_targets(labels: torch.Tensor, shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+    """Each position's next token (the last position's is ignored), flattened; or the
+    caller's already shifted targets (HF's `shift_labels`: a sequence-parallel share, whose
+    last token's target is the next share's first token)."""
+    if shift_labels is not None:
+        return shift_labels.reshape(-1)
     return F.pad(labels, (0, 1), value=IGNORE)[..., 1:].reshape(-1)
 
 
@@ -187,11 +191,12 @@ def chunked_linear_cross_entropy(
     num_items_in_batch: Any = None,
     softcap: float | None = None,
     chunk: int = DEFAULT_CHUNK,
+    shift_labels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """HF's causal-LM loss of `lm_head(hidden)` against `labels` (unshifted, [batch, seq]),
     a chunk of `chunk` tokens at a time, never holding more than one chunk's logits."""
     h = hidden.reshape(-1, hidden.shape[-1])
-    targets = shifted_targets(labels).to(h.device)
+    targets = shifted_targets(labels, shift_labels).to(h.device)
     divisor = _divisor(targets, num_items_in_batch)
     needs = torch.is_grad_enabled() and (
         h.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
@@ -254,6 +259,7 @@ def liger_linear_cross_entropy(
     labels: torch.Tensor,
     num_items_in_batch: Any = None,
     softcap: float | None = None,
+    shift_labels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same loss through liger-kernel's fused linear cross-entropy (CUDA only): a
     token sum over the same divisor, the weight's gradient accumulated in fp32. Under
@@ -267,7 +273,7 @@ def liger_linear_cross_entropy(
         compute = _compute_dtype(h, weight)
         h, weight = h.to(compute), weight.to(compute)
         bias = None if bias is None else bias.to(compute)
-    targets = shifted_targets(labels).to(h.device)
+    targets = shifted_targets(labels, shift_labels).to(h.device)
     out = liger_fused_linear_cross_entropy(
         h,
         weight,
@@ -291,12 +297,15 @@ def linear_cross_entropy(
     softcap: float | None = None,
     chunk: int = DEFAULT_CHUNK,
     kernel: str = "auto",
+    shift_labels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The loss through the kernel `pick_kernel` chooses for these tensors."""
     if _kernel_for(kernel, hidden, weight) == "liger":
-        return liger_linear_cross_entropy(hidden, weight, bias, labels, num_items_in_batch, softcap)
+        return liger_linear_cross_entropy(
+            hidden, weight, bias, labels, num_items_in_batch, softcap, shift_labels
+        )
     return chunked_linear_cross_entropy(
-        hidden, weight, bias, labels, num_items_in_batch, softcap, chunk
+        hidden, weight, bias, labels, num_items_in_batch, softcap, chunk, shift_labels
     )
 
 
@@ -316,6 +325,7 @@ class LinearCEHead(torch.nn.Linear):
         labels: torch.Tensor | None = None,
         num_items_in_batch: Any = None,
         softcap: float | None = None,
+        shift_labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if labels is None:
             return super().forward(hidden)
@@ -328,6 +338,7 @@ class LinearCEHead(torch.nn.Linear):
             softcap,
             self.chunk,
             self.kernel,
+            shift_labels,
         )
 
 
@@ -407,7 +418,7 @@ def _forward(
 ) -> Any:
     """The class's forward, except that with labels the logits are never made whole."""
     plain = isinstance(logits_to_keep, torch.Tensor) or logits_to_keep != 0
-    if labels is None or plain or "shift_labels" in kwargs or not takes_labels(self.lm_head):
+    if labels is None or plain or not takes_labels(self.lm_head):
         return type(self).forward(
             self,
             input_ids=input_ids,
@@ -422,6 +433,7 @@ def _forward(
         )
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    shift_labels = kwargs.pop("shift_labels", None)
     outputs = self.model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -436,6 +448,7 @@ def _forward(
         labels=labels,
         num_items_in_batch=kwargs.get("num_items_in_batch"),
         softcap=getattr(self.config, "final_logit_softcapping", None),
+        shift_labels=shift_labels,
     )
     return CausalLMOutputWithPast(
         loss=loss,

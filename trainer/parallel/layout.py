@@ -12,6 +12,9 @@ def check_model_layout(strategy: Any, mcfg: dict[str, Any], src: str) -> None:
     """Refuse, in one line each, a layout the model cannot be cut into. `strategy` is the
     job's FSDPOptions; `mcfg` the model's config.json as a dict."""
     tp, pp = getattr(strategy, "tp", 1), getattr(strategy, "pp", 1)
+    sp = getattr(strategy, "sp", 1)
+    if sp > 1:
+        check_sequence_heads(sp, mcfg, src)
     if tp > 1:
         heads = mcfg.get("num_attention_heads")
         kv = mcfg.get("num_key_value_heads") or heads
@@ -49,3 +52,27 @@ def check_model_layout(strategy: Any, mcfg: dict[str, Any], src: str) -> None:
                 "live on the first and last stage; pipeline parallelism refuses tied "
                 "embeddings in this build (use tp or plain fsdp)"
             )
+
+
+def check_sequence_heads(sp: int, mcfg: dict[str, Any], src: str) -> None:
+    """Ulysses hands each of the sp workers whole heads (and their KV heads) of the whole
+    sequence, so sp must divide both; a mixture-of-experts router's aux loss would see
+    only a worker's share of the tokens, so those models are refused for now."""
+    heads = mcfg.get("num_attention_heads")
+    kv = mcfg.get("num_key_value_heads") or heads
+    if not isinstance(heads, int):
+        raise ConfigError(
+            f"strategy.sp: {src} has no num_attention_heads; sequence parallelism needs a "
+            "decoder with attention heads (Llama, Mistral, Qwen2 families)"
+        )
+    for what, n in (("num_key_value_heads", kv), ("num_attention_heads", heads)):
+        if n % sp:
+            raise ConfigError(
+                f"strategy.sp: {sp} does not divide the model's {what} {n} ({src}); use a "
+                f"divisor of {n}"
+            )
+    if any(k in mcfg for k in ("num_experts", "num_local_experts")):
+        raise ConfigError(
+            f"strategy.sp: {sp} with a mixture-of-experts model ({src}) is not in this build "
+            "(the router's aux loss would see one worker's share of the tokens); use sp: 1"
+        )

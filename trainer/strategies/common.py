@@ -99,10 +99,12 @@ class ModelCalls:
     def objective(self) -> Any:
         """What a batch is and how its loss is made (trainer.objectives: sft, dpo, ...);
         `train_micro` runs its loss where it ran the model's own, under this strategy's
-        precision and backward. The loop reads batches through it too."""
+        precision and backward. The loop reads batches through it too. With strategy.sp
+        above 1 each worker gets its share of every sequence (trainer.parallel.sequence)."""
         from trainer.objectives import build_objective
+        from trainer.parallel import sequence
 
-        return build_objective(self.cfg)
+        return sequence.wrap(build_objective(self.cfg), self.model, self.cfg.strategy.sp)
 
     def param_count(self) -> int:
         """A sharded parameter counts whole: an FSDP2/TP DTensor's numel is its global
