@@ -15,6 +15,7 @@ by import-linter, in tests/unit/test_import_rooms.py; the contract over trainer'
 
 from __future__ import annotations
 
+import ast
 import re
 import tomllib
 from collections.abc import Iterable
@@ -100,6 +101,40 @@ def test_no_import_cycles_in_trainer_or_tools(graph):
         "modules import each other (move what both need down into the lower one, or into a "
         "small module of its own):\n" + "\n".join(_describe(graph, c) for c in found)
     )
+
+
+def private_imports_across_packages(root: Path = ROOT / "trainer") -> list[str]:
+    """Each `from trainer.X... import _name` in a module of another of trainer's packages:
+    a package reaches another only through its public names (a private one may change
+    with no warning to its importers, as planner.history's S3 reader did)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        here = path.relative_to(root.parent).with_suffix("").parts[:2]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom) or not node.module:
+                continue
+            there = tuple(node.module.split(".")[:2])
+            if there[0] == root.name and there != here:
+                found += [
+                    f"{path.relative_to(root.parent)}:{node.lineno}: {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_")
+                ]
+    return found
+
+
+def test_no_package_imports_another_packages_private_names(tmp_path):
+    assert private_imports_across_packages() == []
+    # The finder itself, on a package whose `b` reaches into `a`'s private name.
+    pkg = tmp_path / "trainer"
+    (pkg / "a").mkdir(parents=True)
+    (pkg / "b").mkdir()
+    (pkg / "a" / "mod.py").write_text("def _inner(): ...\n")
+    (pkg / "a" / "use.py").write_text("from trainer.a.mod import _inner\n")  # its own: fine
+    (pkg / "b" / "use.py").write_text("def f():\n    from trainer.a.mod import _inner, x\n")
+    assert [f.split(": ", 1)[1] for f in private_imports_across_packages(pkg)] == [
+        "trainer.a.mod._inner"
+    ]
 
 
 def test_the_cycle_finder_finds_a_circle_around_three_modules():

@@ -362,33 +362,26 @@ class _LocalStore:
 
 
 class _BotoStore:
-    """The laptop's s3:// storage path, with boto3 (trainer.planner.history's client)."""
+    """The laptop's s3:// storage path, with boto3: the planner's reader of the runs under
+    a storage path (trainer.planner.runstore.S3Runs), through its public listing."""
 
     def __init__(self, uri: str, endpoint: str | None, region: str | None):
-        from trainer.planner.history import _S3Runs
+        from trainer.planner.runstore import S3Runs
 
-        self.s3 = _S3Runs(uri, endpoint, region)  # Unreadable when boto3 is missing
-
-    def _list(self, prefix: str, folders: bool) -> list[Any]:
-        s3 = self.s3
-        pages = s3.s3.get_paginator("list_objects_v2").paginate(
-            Bucket=s3.bucket, Prefix=prefix, **({"Delimiter": "/"} if folders else {})
-        )
-        out: list[Any] = []
-        for page in pages:
-            out += page.get("CommonPrefixes", []) if folders else page.get("Contents", [])
-        return out
+        self.s3 = S3Runs(uri, endpoint, region)  # Unreadable when boto3 is missing
 
     def folders(self) -> list[str]:
-        n = len(self.s3.prefix)
-        return sorted(p["Prefix"][n:].rstrip("/") for p in self._list(self.s3.prefix, True))
+        return sorted(self.s3.folders())
 
     def journal_files(self, folder: str) -> list[tuple[str, float]]:
-        objs = self._list(f"{self.s3.prefix}{folder}/{JOURNAL_DIR}/", False)
-        return [(o["Key"], stamp(o["LastModified"])) for o in objs if o["Key"].endswith(".jsonl")]
+        objs = self.s3.objects(f"{folder}/{JOURNAL_DIR}/")
+        return [(rel, stamp(modified)) for rel, modified in objs if rel.endswith(".jsonl")]
 
     def text(self, file: str) -> str:
-        return self.s3._text(file)
+        text = self.s3.text(file)
+        if text is None:  # gone between the listing and the read: the run is skipped
+            raise FileNotFoundError(f"{self.s3.uri}/{file}")
+        return text
 
 
 def read_storage(
@@ -401,7 +394,7 @@ def read_storage(
     """The past runs under a job's storage.path, for the laptop (`raylift plan`): a local
     path with the standard library, s3:// with boto3. Storage that cannot be listed gives
     a Reading whose note says so in one line."""
-    from trainer.planner.history import Unreadable
+    from trainer.planner.runstore import Unreadable
 
     if not uri or ("://" in uri and not uri.startswith("s3://")):
         return Reading(note=f"{uri}: past runs not read (not a local or s3:// path)")

@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from trainer.resilience import faults
-from trainer.storage.location import Location, _short
+from trainer.storage.location import Location, short_error
 from trainer.storage.retry import UploadError, transient_retries
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ def put_files_s3(
             except Exception as exc:
                 # Any failure is this file's: botocore's and s3transfer's errors are not
                 # OSErrors; the text keeps what `is_transient` looks for.
-                raise OSError(f"S3 upload of {loc.uri}/{rel} failed: {_short(exc)}") from exc
+                raise OSError(f"S3 upload of {loc.uri}/{rel} failed: {short_error(exc)}") from exc
 
 
 def put_tree(files: list[tuple[Path, str]], loc: Location) -> None:
@@ -199,7 +199,7 @@ def upload_checkpoint(
             "checkpoint upload to %s failed (try %d): %s; retrying",
             loc.uri,
             state.attempt_number,
-            _short(exc),
+            short_error(exc),
         )
         if on_retry is not None:
             on_retry(state.attempt_number, exc)
@@ -214,7 +214,7 @@ def upload_checkpoint(
         last = exc.last_attempt.exception()
         raise UploadError(
             f"checkpoint upload to {loc.uri} still failing after {retry_s:.0f} s of retries: "
-            f"{_short(last)}"
+            f"{short_error(last)}"
         ) from None
     except OSError as exc:
-        raise UploadError(f"checkpoint upload to {loc.uri} failed: {_short(exc)}") from None
+        raise UploadError(f"checkpoint upload to {loc.uri} failed: {short_error(exc)}") from None

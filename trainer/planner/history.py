@@ -20,9 +20,9 @@ from typing import Any
 from trainer.config import JobConfig
 from trainer.planner.device import kind_of
 from trainer.planner.memory import rank_memory
+from trainer.planner.runstore import S3Runs
 from trainer.planner.runstore import Unreadable as Unreadable
 from trainer.planner.runstore import _LocalRuns as _LocalRuns
-from trainer.planner.runstore import _S3Runs as _S3Runs
 from trainer.planner.runstore import s3_text as s3_text
 from trainer.planner.setup import Setup
 from trainer.planner.shape import ModelShape, shape_for_job
@@ -56,7 +56,7 @@ def past_runs(
     if not storage or not gpu_model:
         return []
     if storage.startswith("s3://"):
-        store: Any = _S3Runs(storage, endpoint_override, region)
+        store: Any = S3Runs(storage, endpoint_override, region)
     elif "://" in storage:
         return []
     else:

@@ -10,6 +10,7 @@ Its own module because two rungs read storage beside the runs: the history of pa
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 
@@ -31,8 +32,11 @@ class _LocalRuns:
             yield run.name, job_file.read_text(), finals
 
 
-class _S3Runs:
-    """The same listing over S3 with boto3: one request for the runs, two per run."""
+class S3Runs:
+    """The same listing over S3 with boto3: one request for the runs, two per run. Its
+    public methods (`folders`, `objects`, `text`) are what other readers of the runs use
+    (the past runs' journals, trainer.checkpoint.fault_history): botocore's errors come
+    out as `Unreadable`, one line."""
 
     def __init__(self, uri: str, endpoint: str | None, region: str | None):
         try:
@@ -83,6 +87,34 @@ class _S3Runs:
         except BotoCoreError as exc:
             raise Unreadable(f"{self.uri}/{rel}: not read: {exc}") from None
 
+    def folders(self) -> list[str]:
+        """The names of the folders directly under the storage path (a run each)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            keys = self._keys(self.prefix, folders=True)
+        except (BotoCoreError, ClientError) as exc:
+            raise Unreadable(f"{self.uri}: past runs not read: {exc}") from None
+        return [k[len(self.prefix) :].rstrip("/") for k in keys]
+
+    def objects(self, rel: str) -> list[tuple[str, datetime]]:
+        """(path under the storage path, last modified) of each object under `rel`."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        out: list[tuple[str, datetime]] = []
+        try:
+            pages = self.s3.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self.prefix + rel
+            )
+            for page in pages:
+                out += [
+                    (o["Key"][len(self.prefix) :], o["LastModified"])
+                    for o in page.get("Contents", [])
+                ]
+        except (BotoCoreError, ClientError) as exc:
+            raise Unreadable(f"{self.uri}/{rel}: not listed: {exc}") from None
+        return sorted(out)
+
     def runs(self) -> Iterator[tuple[str, str, list[str]]]:
         from botocore.exceptions import BotoCoreError, ClientError
 
@@ -105,4 +137,4 @@ class _S3Runs:
 def s3_text(uri: str, rel: str, endpoint: str | None, region: str | None) -> str | None:
     """An object's text under an s3:// storage path (None: no such object); Unreadable when
     S3 cannot be asked. What the planner reads beside the runs (the calibration file)."""
-    return _S3Runs(uri, endpoint, region).text(rel)
+    return S3Runs(uri, endpoint, region).text(rel)

@@ -92,10 +92,11 @@ def check_writable(loc: Location) -> None:
             f.write(b"ok")
         loc.fs.delete_file(probe.path)
     except OSError as exc:
-        raise UserError(f"storage.path {loc.uri}: not writable: {_short(exc)}") from None
+        raise UserError(f"storage.path {loc.uri}: not writable: {short_error(exc)}") from None
 
 
-def _short(exc: BaseException) -> str:
+def short_error(exc: BaseException) -> str:
+    """An error's first line (at most 300 characters): what one-line messages quote."""
     return str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
 
 
@@ -120,7 +121,7 @@ def download_dir(loc: Location, dest: Path) -> Path:
                 destination_filesystem=pafs.LocalFileSystem(),
             )
         except OSError as exc:
-            raise UserError(f"{loc.uri}: cannot download: {_short(exc)}") from None
+            raise UserError(f"{loc.uri}: cannot download: {short_error(exc)}") from None
         marker.write_text("ok")
     return dest
 
@@ -146,4 +147,4 @@ def read_text(uri: str, endpoint_override: str | None = None, region: str | None
     except FileNotFoundError:
         raise UserError(f"{uri}: not found") from None
     except OSError as exc:
-        raise UserError(f"{uri}: cannot read: {_short(exc)}") from None
+        raise UserError(f"{uri}: cannot read: {short_error(exc)}") from None

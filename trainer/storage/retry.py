@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from trainer.errors import UserError
-from trainer.storage.location import _short
+from trainer.storage.location import short_error
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class RetryingHandler(pafs.FileSystemHandler):
                 "storage call %s failed (try %d): %s; retrying",
                 getattr(fn, "__name__", fn),
                 state.attempt_number,
-                _short(state.outcome.exception()),
+                short_error(state.outcome.exception()),
             )
 
         for attempt in transient_retries(self.retry_s, 10, note, reraise=True):
