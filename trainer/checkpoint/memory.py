@@ -32,6 +32,12 @@ DDP and adapters write the model and optimizer on rank 0 only, so those are held
 per run plus the buddy copy, never once per rank; FSDP's shards, one per rank. The
 price: each keeper holds up to three snapshots of the shares it keeps (the confirmed
 one, a newer complete one, one arriving), own and buddy (`trainer.planner.memory`).
+
+Why one module of about 500 lines: it is one idea, a snapshot's round trip through the
+keepers. The put and the restore name the same shares with the same keys, the confirmation
+rule decides both what keepers drop and which step a restore may pick, and the driver's
+start and end of the keepers name them as the workers find them; split, each half would
+have to be read with the other open beside it.
 """
 
 from __future__ import annotations

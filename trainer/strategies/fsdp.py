@@ -22,6 +22,12 @@ model and the *flattened* optimizer state, both keyed by Hugging Face parameter 
 it loads on another (dp, pp, tp) layout and another world size (DCP reshards). The older
 `dcp/1` (nested optimizer state) still loads into a plain FSDP run (tp = pp = 1). The
 export gathers a plain Hugging Face folder.
+
+Why one module of about 500 lines: it is one idea, the FSDP2 strategy behind the Strategy
+seam. What it builds from (one part, `fsdp_build`) and the optimizer across a rank's
+stages (`mesh_state`) already live apart; what stays here (the step, the pipeline
+schedule's call, the resume state keyed by Hugging Face names, the export) acts on the same
+mesh and the same parameter names, and reads as one strategy beside `ddp` and `deepspeed`.
 """
 
 from __future__ import annotations
