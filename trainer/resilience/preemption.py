@@ -9,6 +9,7 @@ shortens the checkpoint intervals for a while.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -16,8 +17,21 @@ from typing import Any
 from trainer.checkpoint import manager as ckpt_mod
 from trainer.errors import CheckpointError
 from trainer.resilience.rebalance import RebalanceWatch
+from trainer.storage.location import Location
+from trainer.storage.retry import retrying
 
 log = logging.getLogger("trainer")
+
+
+def _patient(where: Location, rt: Any, left: float | None, took: float) -> Location:
+    """`where` on a filesystem that retries transient errors as the checkpoint uploads do
+    (trainer.storage.retry), for the upload retry budget or what is left of the notice,
+    whichever is shorter: the check must not outlast the node it is saving for."""
+    budget = float(getattr(rt, "retry_s", 0.0))
+    if left is not None:
+        budget = min(budget, max(left - took, 0.0))
+    return dataclasses.replace(where, fs=retrying(where.fs, budget))
+
 
 PREEMPTION_CHECK_S = 1.0
 """Seconds between asks for a preemption notice. Ray Train's get_preemption_info() is a
@@ -73,14 +87,16 @@ class PreemptionWatch:
         missing). So the ranks meet first, and the journal's `preemption` record means the
         checkpoint is complete in storage. A checkpoint that is still torn then fails the
         attempt here, which restarts from the newest complete one, rather than riding out
-        a notice with nothing whole to resume from."""
+        a notice with nothing whole to resume from. The check reads storage with the
+        uploads' retries (`checkpoint.upload_retry_s`, within the notice's time): a brief
+        storage error is not a torn checkpoint."""
         assert self.notice is not None
         rt = self.rt
         rt.barrier()  # every rank's manifest is uploaded: its report has returned
         took = time.monotonic() - saving_started
         left = self.notice["deadline_s"]
         if rt.rank == 0:
-            where = rt.run.join(ckpt_mod.dir_name(done))
+            where = _patient(rt.run.join(ckpt_mod.dir_name(done)), rt, left, took)
             state, why = ckpt_mod.completeness(where)
             if state is None:
                 raise CheckpointError(

@@ -6,11 +6,13 @@ moment the slower rank's manifest lands."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
 import pytest
 
 from trainer.checkpoint import manager as ck
@@ -19,6 +21,7 @@ from trainer.resilience import journal
 from trainer.resilience.journal import Journal
 from trainer.resilience.preemption import PreemptionWatch
 from trainer.storage.location import resolve
+from trainer.storage.retry import RetryingHandler
 
 STEP = 26
 
@@ -78,3 +81,31 @@ def test_a_checkpoint_still_torn_fails_the_attempt_and_journals_no_notice(tmp_pa
         _noticed(rt).ride_out(STEP, time.monotonic())
     assert [r for r in journal.read(rt.run) if r["event"] == "preemption"] == []
     assert rt.waited == []
+
+
+class _Blips(RetryingHandler):
+    """Local storage whose first `blips` calls fail as an S3 endpoint briefly down does."""
+
+    def __init__(self, blips: int):
+        super().__init__(pafs.LocalFileSystem(), 0.0)
+        self.blips = blips
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        if self.blips > 0:
+            self.blips -= 1
+            raise OSError("AWS Error NETWORK_CONNECTION: connection reset by peer")
+        return fn(*args)
+
+
+def test_a_storage_blip_during_the_check_is_retried_not_called_torn(tmp_path):
+    """The completeness check reads storage with the uploads' retry policy: two failed
+    listings (a blip), then the complete checkpoint is found and the notice journaled."""
+    rt = _Rank0(tmp_path)
+    rt.retry_s = 30.0
+    blips = _Blips(2)
+    rt.run = dataclasses.replace(rt.run, fs=pafs.PyFileSystem(blips))
+    _noticed(rt).ride_out(STEP, time.monotonic())
+    assert blips.blips == 0  # both blips were met, and retried past
+    records = [r for r in journal.read(resolve(str(tmp_path))) if r["event"] == "preemption"]
+    assert len(records) == 1 and records[0]["step"] == STEP and records[0]["complete"]
+    assert len(rt.waited) == 1
