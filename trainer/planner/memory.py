@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from trainer.planner import sequence
 from trainer.planner.device import device_lines
 from trainer.planner.setup import Setup as Setup  # re-exported: where callers always found it
 from trainer.planner.setup import rank_params
@@ -114,7 +115,7 @@ def activation_bytes(shape: ModelShape, s: Setup, checkpointing: bool) -> float:
     loss, one chunk's with the chunked one).
     """
     h, c = shape.hidden, s.c
-    t = s.micro_batch * s.block_size
+    t = sequence.local_tokens(s)  # sequence parallelism: this rank's share of the tokens
     r = _residual_bytes(s)
     inputs, product = 2 * h, shape.intermediate
     if s.adapter != "none":
@@ -134,7 +135,8 @@ def activation_bytes(shape: ModelShape, s: Setup, checkpointing: bool) -> float:
         per_layer += shape.heads * s.block_size * (4 + c + c * bool(shape.attn_softcap))
     head = (4 + r) * h + r * h
     layers = shape.layers * r * h + per_layer if checkpointing else shape.layers * per_layer
-    return float(t * (layers + head) + logits_bytes(shape, s, t))
+    exchange = sequence.exchange_bytes(shape, s)  # Ulysses' all-to-all, one layer at a time
+    return float(t * (layers + head) + logits_bytes(shape, s, t) + exchange)
 
 
 CHUNKED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")

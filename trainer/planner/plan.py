@@ -13,7 +13,7 @@ from typing import Any
 
 from trainer.config import JobConfig
 from trainer.errors import UserError
-from trainer.planner import preference
+from trainer.planner import preference, sequence
 from trainer.planner.catalog import InstanceType, get_instance, load_instances
 from trainer.planner.device import MIN_MARGIN
 from trainer.planner.device import margin as fit_margin
@@ -418,9 +418,53 @@ def plan_job(
             tokens_per_epoch,
         )
     )
+    result.notes += _sequence_note(cfg, result, instance, rank0_instance, calibration)
     ram_tier = plan_note(cfg, result, shape)  # where the host-RAM check turns auto off
     result.notes += [ram_tier] if ram_tier else []
     from trainer.data.shapes import plan_notes  # which shape each data source is read as
 
     result.notes += plan_notes(cfg)
     return result
+
+
+def _sequence_note(
+    cfg: JobConfig,
+    result: Plan,
+    instance: str | None,
+    rank0_instance: str | None,
+    calibration: Any,
+) -> list[str]:
+    """Where the job gives data.block_size and leaves strategy.sp unset, and does not fit
+    as it is: the smallest sp that fits (trainer.planner.sequence), as a note. The verdict
+    stays the job's own (it runs with the sp it sets)."""
+    st, s = cfg.strategy, result.setup
+    open_sp = "sp" not in st.model_fields_set and "block_size" in cfg.data.model_fields_set
+    if not open_sp or not result.refused or st.name == "deepspeed" or cfg.model_parallel > 1:
+        return []
+    if cfg.train.objective != "sft" or s.tp * s.pp > 1:
+        return []
+
+    def fits(candidate: Setup) -> bool:
+        p = plan(
+            result.shape,
+            candidate,
+            instance=instance,
+            rank0_instance=rank0_instance,
+            search=instance is None,
+            calibration=calibration,
+        )
+        return not p.refused
+
+    picked, ok = sequence.smallest_fitting(result.shape, s, fits)
+    if not ok:
+        return [
+            f"strategy.sp: no sequence-parallel size up to {picked.sp} fits "
+            f"data.block_size {s.block_size} on {s.world} workers; add workers or "
+            "activation checkpointing"
+        ]
+    per_rank = rank_memory(result.shape, picked).total / GIB
+    return [
+        f"strategy.sp: {picked.sp} is the smallest sequence-parallel size that fits "
+        f"data.block_size {s.block_size} ({per_rank:.1f} GiB a rank); set strategy.sp: "
+        f"{picked.sp}"
+    ]

@@ -41,6 +41,8 @@ class Setup:
     pp_schedule: str = "1f1b"
     microbatches: int = 1
     """Pipeline microbatches each micro batch is cut into (FSDP with pp > 1)."""
+    sp: int = 1
+    """strategy.sp: each sequence split over this many ranks (trainer.planner.sequence)."""
     grad_accum: int = 1
     offload_optimizer: str = "none"  # DeepSpeed: none | cpu | nvme
     offload_param: str = "none"
@@ -106,6 +108,7 @@ class Setup:
             expandable_segments=cfg.scaling.expandable_segments,
             loss=cfg.train.loss,
             loss_chunk=cfg.train.loss_chunk,
+            sp=s.sp,
             **kw,
         )
 
