@@ -32,6 +32,7 @@ from trainer.data.blocks import PackedBlocks
 from trainer.data.feed import TrainFeed, open_eval_sets
 from trainer.distributed import hostsync
 from trainer.distributed.seam import Runtime
+from trainer.evaluation.component import Benchmarks
 from trainer.model import attention
 from trainer.model.loading import (
     check_device,
@@ -166,7 +167,9 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
     start, report = start_attempt(cfg, rt, manager, memory, strategy, feed, ts, steps, end)
     attend = functools.partial(_attention, cfg=cfg, device=device)
     eval_sets = open_eval_sets(cfg, prep.eval_caches, feed.attention)
-    evaluation = Evaluation(cfg, rt, strategy, device, eval_sets, attend)
+    benchmarks = Benchmarks(cfg, rt.rank, rt.world_size, strategy, tokenizer, device)
+    evaluation = Evaluation(cfg, rt, strategy, device, eval_sets, attend, benchmarks)
+    benchmarks.before_training(report, start)  # the scores' first point: step 0
     preemption = PreemptionWatch(rt, enabled=not cfg.train.as_test, cadence=manager.cadence)
     publish = Publish(cfg, rt, strategy, tokenizer, manager, report)
     stats = report.stats
@@ -205,7 +208,7 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
             out.update(objective.metrics(report.all_reduce))  # collective
             if evaluation.due(done, is_last):
                 with stats.phase("eval"):
-                    out.update(evaluation.run())
+                    out.update(evaluation.run(done, is_last))
             out.update(stats.gather())  # collective: per-worker memory and step phases
             return out
 
@@ -216,7 +219,13 @@ def train(cfg: JobConfig, prep: Prepared, rt: Runtime) -> dict[str, Any]:
         stats.timer.add("ckpt", time.perf_counter() - stalled)
         memory.after_step(done, is_last)  # after the record: a restore never skips it
         faults.kill_after_step(
-            rt.rank, rt.world_size, done, report.first_attempt, report.flush, rt.barrier
+            rt.rank,
+            rt.world_size,
+            done,
+            report.first_attempt,
+            report.flush,
+            rt.barrier,
+            lambda: (memory.settle(), rt.wait_uploads()),
         )
         faults.hold(done, "train", rt.rank)
         if emergency:

@@ -364,12 +364,17 @@ class MemoryTier:
         finally:
             shutil.rmtree(out, ignore_errors=True)
 
-    def finish(self) -> None:
+    def settle(self) -> None:
+        """Wait until this rank's snapshot in flight has reached its keepers (or failed:
+        logged, as at the end). The drill that kills once the saves have landed calls it."""
         if self._pending is not None:
             try:
                 self._pending.result()
             except Exception as exc:
                 log.warning("last snapshot not kept: %s", exc)
+
+    def finish(self) -> None:
+        self.settle()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None

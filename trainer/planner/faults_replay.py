@@ -68,6 +68,9 @@ class Attempt:
     storage_writes: list[float] = field(default_factory=list)
     """Each storage save's write in order, where the run measured them one by one (a
     slowdown that came and went); past the list's end, `storage_write_s`."""
+    settled: bool = False
+    """The fault came once every save in flight had landed (a drill's kill that waits for
+    them: RAYLIFT_FAULT_KILL_AFTER_STEP=N:settled): the waiting is part of `restart_s`."""
 
 
 @dataclass
@@ -156,15 +159,16 @@ def replay(
                 owed += a.memory_inflation_s
         if n == len(attempts) - 1 or step >= steps:
             break
-        back = _resume_point(a.cause, step, clock.t, snaps, checkpoints)
+        fault_t = max(clock.t, *inflight.values()) if a.settled else clock.t
+        back = _resume_point(a.cause, step, fault_t, snaps, checkpoints)
         lost += step - back
         resumed.append(back)
         failures.append((clock.t, a.cause))
         # what the lost steps were is retrained; the saves after the resume point are gone
-        snaps = [(t, s) for t, s in snaps if s <= back and t <= clock.t]
-        checkpoints = [(t, s) for t, s in checkpoints if s <= back and t <= clock.t]
+        snaps = [(t, s) for t, s in snaps if s <= back and t <= fault_t]
+        checkpoints = [(t, s) for t, s in checkpoints if s <= back and t <= fault_t]
         step = back
-        clock.t += a.restart_s
+        clock.t = max(clock.t + a.restart_s, fault_t)
     wall = clock.t + tail_s
     kept = sum(kept_step_s[s] for s in range(1, step + 1))
     return Replayed(lost, resumed, wall, kept, decisions)

@@ -55,7 +55,11 @@ keeps a fast machine's run that long, then lets it finish at full speed: its sch
 then judged in steps and journal records, whatever the machine's speed. A step already
 slower than SECONDS is not touched."""
 KILL_AFTER_STEP_ENV = "RAYLIFT_FAULT_KILL_AFTER_STEP"
-"""N: the first attempt's last rank SIGKILLs itself once every rank has finished step N."""
+"""N: the first attempt's last rank SIGKILLs itself once every rank has finished step N.
+N:settled: and once every rank's saves in flight (its RAM-tier snapshot's trip to the
+keepers, its share of a storage upload) have landed, so whether a save made before the
+kill survives it does not depend on how fast the machine was (the cadence test, whose
+replay is told the kill waited: trainer.planner.faults_replay.Attempt.settled)."""
 KILL_AFTER_SNAPSHOT_ENV = "RAYLIFT_FAULT_KILL_AFTER_SNAPSHOT"
 """N: the last rank SIGKILLs itself once its RAM-tier snapshot of step N is on its keepers,
 before anything else of the step runs (the first time only, per run)."""
@@ -156,6 +160,7 @@ def kill_after_step(
     first_attempt: Callable[[], bool],
     flush: Callable[[], None],
     barrier: Callable[[], None],
+    settle: Callable[[], None] | None = None,
 ) -> None:
     """RAYLIFT_FAULT_KILL_AFTER_STEP=N: the first attempt's last rank SIGKILLs itself once
     every rank has finished step N (its checkpoint reported, when N is a checkpoint step),
@@ -164,14 +169,18 @@ def kill_after_step(
     checkpoints the steps since then are trained again, which lets a test compare them with
     the first attempt's. `flush` writes the metrics first, so that comparison has both;
     `first_attempt` and `barrier` are collective (rank 0 knows the attempt, every rank must
-    agree). N must be a logged step (train.log_every)."""
+    agree). N must be a logged step (train.log_every). With N:settled, `settle` (waiting for
+    this rank's saves in flight) runs on every rank before the kill."""
     kill_on_schedule(rank, world_size, done)
-    at = os.environ.get(KILL_AFTER_STEP_ENV, "")
+    at, _, how = os.environ.get(KILL_AFTER_STEP_ENV, "").partition(":")
     if not at or int(at) != done:
         return
     flush()
     if not first_attempt():
         return
+    if how == "settled" and settle is not None:
+        settle()  # every rank's writes in flight land, then the kill
+        barrier()
     if rank == world_size - 1:
         log.warning("%s: killing rank %d after step %d", KILL_AFTER_STEP_ENV, rank, done)
         for handler in logging.getLogger().handlers + logging.getLogger("trainer").handlers:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint import manager as ckpt_mod
 from trainer.checkpoint import staging
-from trainer.checkpoint.upload import prepare_uploads, upload_checkpoint
+from trainer.checkpoint.upload import upload_checkpoint
 from trainer.config import JobConfig
 from trainer.errors import UserError
 from trainer.resilience import faults
@@ -30,6 +30,7 @@ from trainer.resilience.journal import Journal
 from trainer.storage.local import scratch_dir
 from trainer.storage.location import Location, download_dir, resolve
 from trainer.storage.retry import retrying
+from trainer.storage.transfer import prepare_uploads
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,10 @@ class Runtime:
     def uploads_in_flight(self) -> int:
         """Checkpoint uploads of this rank still running in the background."""
         return 0
+
+    def wait_uploads(self) -> None:
+        """Return once this rank's checkpoint uploads in flight have ended."""
+        return None
 
     def finish(self) -> None:
         """The run's loop is done: wait for what still runs in the background."""
@@ -233,7 +238,7 @@ class RayRuntime(Runtime):
         self.node_labels = dict(ray.get_runtime_context().get_node_labels())
         self._slots = threading.BoundedSemaphore(cfg.checkpoint.max_uploads_in_flight)
         self._in_flight = 0
-        self._in_flight_lock = threading.Lock()
+        self._in_flight_lock = threading.Condition()  # notified as each upload ends
 
     def latest_checkpoint(self) -> Path | None:
         """The newer of Ray's registered checkpoint and the newest complete one in
@@ -310,6 +315,7 @@ class RayRuntime(Runtime):
             finally:
                 with self._in_flight_lock:
                     self._in_flight -= 1
+                    self._in_flight_lock.notify_all()
                 self._slots.release()
 
         ray.train.report(
@@ -325,6 +331,10 @@ class RayRuntime(Runtime):
     def uploads_in_flight(self) -> int:
         with self._in_flight_lock:
             return self._in_flight
+
+    def wait_uploads(self) -> None:
+        with self._in_flight_lock:
+            self._in_flight_lock.wait_for(lambda: self._in_flight == 0)
 
     def preemption(self) -> dict[str, Any] | None:
         import ray.train

@@ -60,6 +60,22 @@ def test_a_fault_resumes_from_the_newest_save_that_landed(cause: str, write_s: f
     assert got.wall_s > 60 + 10 + lost_time
 
 
+def test_a_settled_fault_waits_for_the_save_in_flight_within_its_restart() -> None:
+    """A drill's kill that waits for the saves in flight (N:settled): 35's snapshot, still on
+    its way at step 37, has landed when the fault comes; the wait is inside restart_s."""
+    kw = dict(end_step=37, cause="node_lost", memory_write_s=3.0)
+    plain = replay([_attempt(**kw), _attempt()], steps=60, rates=RATES, max_interval_s=None)
+    got = replay(
+        [_attempt(**kw, settled=True), _attempt()], steps=60, rates=RATES, max_interval_s=None
+    )
+    assert plain.resumed_from == [25] and got.resumed_from == [35]
+    assert got.lost_steps == 2
+    # the next attempt starts restart_s after the last step, as without the wait (10 s >
+    # the 1 s left of 35's trip): less the 10 steps it did not lose and 35's snapshot stall,
+    # which the plain replay took again
+    assert got.wall_s == pytest.approx(plain.wall_s - 10 * 1.0 - 0.025)
+
+
 def test_two_faults_within_the_burst_window_shorten_the_ram_tier() -> None:
     got = replay(
         [_attempt(end_step=20), _attempt(end_step=30), _attempt()],
