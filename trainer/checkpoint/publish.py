@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.checkpoint import manager as ckpt_mod
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.checkpoint.upload import upload_dir
 from trainer.config import JobConfig
+from trainer.storage.transfer import upload_dir
 
 if TYPE_CHECKING:
     from trainer.distributed.seam import Runtime

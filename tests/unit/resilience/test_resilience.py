@@ -367,7 +367,7 @@ def test_prepared_uploads_parse_no_sdk_model_during_training(tmp_path, s3_server
     endpoint and S3 models while holding the GIL the training thread needs."""
     from botocore.loaders import JSONFileLoader
 
-    from trainer.checkpoint import upload
+    from trainer.storage import transfer as upload
 
     monkeypatch.setattr(upload, "_s3_clients", {})  # this process's first client
     loc = resolve("s3://ckpt/prepared", s3_server["endpoint"])

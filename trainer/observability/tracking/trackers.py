@@ -22,10 +22,10 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from trainer.checkpoint.upload import upload_dir
 from trainer.config import JobConfig
 from trainer.observability.tracking.sender import Outcome, Sender
 from trainer.storage.location import Location
+from trainer.storage.transfer import upload_dir
 
 log = logging.getLogger("trainer.observability.tracking")
 
