@@ -93,6 +93,10 @@ class Runtime:
         """Checkpoint uploads of this rank still running in the background."""
         return 0
 
+    def wait_uploads(self) -> None:
+        """Return once this rank's checkpoint uploads in flight have ended."""
+        return None
+
     def finish(self) -> None:
         """The run's loop is done: wait for what still runs in the background."""
         return None
@@ -234,7 +238,7 @@ class RayRuntime(Runtime):
         self.node_labels = dict(ray.get_runtime_context().get_node_labels())
         self._slots = threading.BoundedSemaphore(cfg.checkpoint.max_uploads_in_flight)
         self._in_flight = 0
-        self._in_flight_lock = threading.Lock()
+        self._in_flight_lock = threading.Condition()  # notified as each upload ends
 
     def latest_checkpoint(self) -> Path | None:
         """The newer of Ray's registered checkpoint and the newest complete one in
@@ -311,6 +315,7 @@ class RayRuntime(Runtime):
             finally:
                 with self._in_flight_lock:
                     self._in_flight -= 1
+                    self._in_flight_lock.notify_all()
                 self._slots.release()
 
         ray.train.report(
@@ -326,6 +331,10 @@ class RayRuntime(Runtime):
     def uploads_in_flight(self) -> int:
         with self._in_flight_lock:
             return self._in_flight
+
+    def wait_uploads(self) -> None:
+        with self._in_flight_lock:
+            self._in_flight_lock.wait_for(lambda: self._in_flight == 0)
 
     def preemption(self) -> dict[str, Any] | None:
         import ray.train
