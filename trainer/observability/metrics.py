@@ -29,6 +29,28 @@ def mfu(num_params: int, tokens_per_s_per_device: float, peak: float | None) -> 
     return 6.0 * num_params * tokens_per_s_per_device / peak
 
 
+def active_params(n_params: int, model: Any) -> int:
+    """The parameters a token runs through, what MFU's 6·N counts: `n_params` (the
+    strategy's whole-model count, adapters and grown embeddings included) less the routed
+    experts of a mixture-of-experts model that a token is not sent to, as the planner
+    counts them (trainer.planner.shape); `n_params` for a dense model or a module without
+    a Hugging Face config. Counting every expert would overstate a 30B-A3B's MFU ~9×."""
+    from trainer.errors import UserError
+    from trainer.planner.shape import ModelShape
+
+    conf = next(
+        (m.config for m in model.modules() if hasattr(getattr(m, "config", None), "to_dict")),
+        None,
+    )
+    if conf is None:
+        return n_params
+    try:
+        shape = ModelShape.from_hf_config(conf.to_dict())
+    except UserError:  # not a decoder config the planner reads: count every parameter
+        return n_params
+    return n_params - (shape.params - shape.active_params)
+
+
 FLUSH_EVERY_S = 15.0
 """On object storage (no append) the history is one object, rewritten whole at each
 checkpoint and, in between, at most this often by a background thread off the step's

@@ -32,7 +32,13 @@ from trainer.config import JobConfig
 from trainer.distributed import hostsync
 from trainer.distributed.seam import Runtime
 from trainer.model import attention
-from trainer.observability.metrics import MetricsFile, lineage, peak_flops, read_records
+from trainer.observability.metrics import (
+    MetricsFile,
+    active_params,
+    lineage,
+    peak_flops,
+    read_records,
+)
 from trainer.observability.steps import StepReport
 from trainer.observability.tracking.trackers import open_tracker
 from trainer.observability.workerstats import WorkerStats
@@ -147,13 +153,15 @@ def start_attempt(
     )
     if tracker.names:
         tracker.events(journal_mod.read(rt.run))
-    n_params = strategy.param_count()  # the whole model's, for MFU, under every layout
+    n_params = strategy.param_count()  # the whole model's, under every layout
+    n_active = active_params(n_params, strategy.model)  # MFU's: a token's experts only
     if rt.rank == 0:
         log.info(
-            "training %s: %d params, steps %d→%d of %d, global batch %d × %d tokens, "
+            "training %s: %d params (%d active), steps %d→%d of %d, global batch %d × %d tokens, "
             "%d workers, strategy %s, adapter %s, %s attention (%s)",
             cfg.run.name,
             n_params,
+            n_active,
             start,
             end,
             steps,
@@ -176,6 +184,7 @@ def start_attempt(
                 "from_step": start,
                 "world_size": rt.world_size,
                 "params": n_params,
+                "active_params": n_active,
                 "peak_flops": peak,
             }
         )
@@ -184,7 +193,7 @@ def start_attempt(
         log_every=cfg.train.log_every,
         steps=steps,
         steps_per_epoch=feed.steps_per_epoch,
-        n_params=n_params,
+        n_params=n_active,
         peak=peak,
         all_reduce=reduce,
         metrics_file=metrics_file,
