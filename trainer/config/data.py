@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from trainer.config.base import _Section
-from trainer.data.shapes import check_column_targets
+from trainer.config.shapes import check_column_targets
 
 _COLUMNS = (
     "The file's column names for a shape's fields, {field: column} (e.g. {prompt: question, "
