@@ -19,6 +19,18 @@ def gib(x: float) -> str:
     return f"{x / GIB:.1f} GiB"
 
 
+def adapter_lines(p: Plan) -> list[str]:
+    """What LoRA trains, per kind of tensor, as the run's log prints it at start
+    (trainer.model.adapters): a mixture of experts' plan without an `experts` row is an
+    adapter that leaves the routed experts untrained."""
+    s = p.setup
+    if s.adapter == "none":
+        return []
+    kinds = p.shape.lora_by_kind(s.lora_r, list(s.lora_targets))
+    parts = [f"{k} {short_count(n)} ({', '.join(names)})" for k, (n, names) in kinds.items()]
+    return [f"adapters train: {'; '.join(parts) or 'nothing'}"]
+
+
 def format_plan(p: Plan) -> str:
     """The plan as plain text (the trainer side prints this; tools/plan/ uses rich)."""
     s, r = p.setup, p.rank
@@ -39,6 +51,7 @@ def format_plan(p: Plan) -> str:
         f"{s.optimizer}, {s.world} workers, micro batch {s.micro_batch} × {s.block_size} "
         f"tokens, activation checkpointing {'on' if s.checkpointing else 'off'}, "
         f"{s.attention} attention",
+        *adapter_lines(p),
         "",
         f"per rank ({where})",
         f"  weights            {gib(r.weights):>12}",

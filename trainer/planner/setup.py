@@ -148,7 +148,9 @@ def for_model(s: Setup, shape: ModelShape) -> Setup:
         s,
         attention=attention,
         eager_attention=attention == "eager",
-        lora_targets=shape.lora_targets(s.lora_targets),
+        # The modules, then a mixture of experts' fused routed experts (peft's
+        # target_parameters) where auto adapts them: the plan lists and counts them too.
+        lora_targets=(*shape.lora_targets(s.lora_targets), *shape.lora_fused(s.lora_targets)),
     )
 
 

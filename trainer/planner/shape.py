@@ -241,19 +241,51 @@ class ModelShape:
         return families.resolve_targets(setting, conf) or tuple(self.linear_shapes())
 
     def lora_params(self, r: int, targets: Any) -> int:
+        return sum(n for n, _ in self.lora_by_kind(r, targets).values())
+
+    def lora_fused(self, setting: Any) -> tuple[str, ...]:
+        """The fused routed-expert parameters LoRA adapts (peft's target_parameters):
+        auto's for a mixture-of-experts family, or those a resolved target list names."""
         from trainer.model import families
 
-        setting = targets
-        targets = self.lora_targets(targets)
-        shapes = self.linear_shapes()
-        n = sum(r * (a + b) for name, (a, b) in shapes.items() if name in targets)
         if isinstance(setting, list | tuple) and len(setting) == 1:
             setting = setting[0] if setting[0] in ("auto", "all-linear") else list(setting)
         fused = families.resolve_parameters(setting, {"model_type": self.model_type})
+        named = (
+            tuple(t for t in setting if t in self.expert_shapes())
+            if isinstance(setting, list | tuple)
+            else ()
+        )
+        return tuple(dict.fromkeys((*fused, *named)))
+
+    def lora_by_kind(self, r: int, targets: Any) -> dict[str, tuple[int, tuple[str, ...]]]:
+        """LoRA's trainable parameters per part of the decoder, the kinds the run's log
+        prints (trainer.model.adapters.kind_of): attention, routed experts, shared expert,
+        a dense MLP; each with the tensors adapted. An adapter that misses a mixture of
+        experts' routed experts shows as a plan without an `experts` row."""
+        setting = targets
+        targets = self.lora_targets(targets)
+        out: dict[str, tuple[int, tuple[str, ...]]] = {}
+
+        def add(kind: str, n: int, name: str) -> None:
+            count, names = out.get(kind, (0, ()))
+            out[kind] = (count + self.layers * n, (*names, name))
+
+        for name, (a, b) in self.linear_shapes().items():
+            if name in targets:
+                attention = name in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+                add(
+                    "attention" if attention else "shared" if self.experts else "mlp",
+                    r * (a + b),
+                    name,
+                )
+        fused = self.lora_fused(setting)
         # peft's adapter on a fused (experts, out, in) parameter: A (r·experts × in) and
         # B (out × r·experts).
-        n += sum(r * e * (o + i) for t, (e, o, i) in self.expert_shapes().items() if t in fused)
-        return self.layers * n
+        for t, (e, o, i) in self.expert_shapes().items():
+            if t in fused:
+                add("experts", r * e * (o + i), t)
+        return out
 
     def attention(self, requested: str) -> str:
         """model.attn_implementation resolved for this family (trainer.model.families)."""

@@ -137,3 +137,25 @@ def test_the_adapter_export_loads_with_plain_peft_and_gives_the_same_logits(kind
     assert (ours - base).abs().max() > 1e-3  # the experts' adapters changed the model
     saved = (tmp_path / "adapter" / "adapter_config.json").read_text()
     assert "experts.gate_up_proj" in saved
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_the_plan_lists_what_the_adapter_trains_per_kind_as_the_run_counts_it(kind, tmp_path):
+    from trainer.planner import plan, report
+    from trainer.planner.shape import ModelShape
+
+    model = tiny_moe(kind)
+    ran = adapters.trainable_by_kind(adapters.apply(model, lora_cfg(), grew_vocab=False))
+    shape = ModelShape.from_hf_config(model.config.to_dict())
+    planned = shape.lora_by_kind(4, ["auto"])
+    assert {k: n for k, (n, _) in planned.items()} == ran  # exactly, every kind
+    assert planned["experts"][1] == ("experts.gate_up_proj", "experts.down_proj")
+    explicit = shape.lora_by_kind(4, ["q_proj", "v_proj"])
+    assert list(explicit) == ["attention"]  # a plan without an experts row
+    model.config.save_pretrained(str(tmp_path))
+    cfg = lora_cfg().model_copy(deep=True)
+    cfg.model.path = str(tmp_path)
+    cfg.model.lora.r = 4
+    line = report.format_plan(plan.plan_job(cfg)).splitlines()[1]
+    assert line.startswith("adapters train: attention ") and "; experts " in line, line
+    assert "(experts.gate_up_proj, experts.down_proj)" in line
