@@ -256,7 +256,18 @@ def run_all(cfg: JobConfig, strict: bool = True) -> Report:
     check_tracking(cfg, strict, report)
     if strict:
         check_compiler(cfg)
+    check_eval_tasks(cfg, strict, report)
     return report
+
+
+def check_eval_tasks(cfg: JobConfig, strict: bool, report: Report) -> None:
+    """train.eval_tasks: each YAML there with its `task:` line, each name lm-eval's."""
+    from trainer.evaluation.specs import check
+
+    try:
+        report.notes += check(cfg.train.eval_tasks, strict)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_compiler(cfg: JobConfig) -> None:

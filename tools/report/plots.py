@@ -35,6 +35,7 @@ def plot(run: dict[str, Any], out: Path, title: str) -> Path:
     ax1.set_ylabel("loss")
     ax1.set_title(title)
     _plot_rewards(ax1, steps)
+    _plot_benchmarks(ax1, run.get("benchmarks") or [])
     ax1.legend()
     ax1.grid(alpha=0.3)
     ax2.plot([r["step"] for r in steps], [r["tokens_per_s"] for r in steps], color="tab:green")
@@ -65,6 +66,21 @@ def _plot_rewards(ax: Any, steps: list[dict[str, Any]]) -> None:
     )
     twin.set_ylim(0, 1.05)
     twin.set_ylabel("rewards/accuracies")
+    twin.legend(loc="center right")
+
+
+def _plot_benchmarks(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """train.eval_tasks' scores (eval/<task>/<metric>) beside the loss, on a 0-1 axis:
+    the first point is the model before step 1."""
+    names = sorted({k for r in rows for k in r if k.startswith("eval/")})
+    if not names:
+        return
+    twin = ax.twinx()
+    for name in names:
+        have = [r for r in rows if name in r]
+        twin.plot([r["step"] for r in have], [r[name] for r in have], "s--", label=name[5:])
+    twin.set_ylim(0, 1.05)
+    twin.set_ylabel("benchmark score")
     twin.legend(loc="center right")
 
 

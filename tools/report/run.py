@@ -22,6 +22,9 @@ def load_run(run_uri: str, endpoint_override: str | None = None) -> dict[str, An
     records = read_records(run.join("metrics.jsonl"))
     steps, wasted = lineage(records)
     evals = [r for r in steps if "eval_loss" in r]
+    benchmarks = [r for r in records if r.get("event") == "benchmark"] + [
+        r for r in steps if any(k.startswith("eval/") for k in r)
+    ]  # before step 1, then the steps that scored train.eval_tasks
     restarts = sum(1 for r in records if r.get("event") == "resume")
     journal_records = journal.read(run)
     faults = journal.summarize(journal_records)
@@ -30,6 +33,7 @@ def load_run(run_uri: str, endpoint_override: str | None = None) -> dict[str, An
         "cost": run_lines(run, steps, lost),
         "steps": steps,
         "evals": evals,
+        "benchmarks": benchmarks,
         "wasted_steps": wasted,
         "restarts": restarts,
         "journal": faults,
@@ -56,6 +60,7 @@ def summary_lines(run: dict[str, Any]) -> list[str]:
             f"eval loss: {run['evals'][-1]['eval_loss']:.4f} "
             f"(perplexity {run['evals'][-1]['eval_perplexity']:.2f})"
         )
+    lines += benchmark_lines(run.get("benchmarks") or [])
     if rewards_line(last):
         lines.append(f"rewards (last step): {rewards_line(last)}")
     mem, slow = memory_line(last), slowest_line(steps)
@@ -66,6 +71,20 @@ def summary_lines(run: dict[str, Any]) -> list[str]:
     good = goodput.lines(run["goodput"]) if run.get("goodput") is not None else []
     faults, exports = journal_lines(run.get("journal") or {}), list(run.get("exports") or [])
     return lines + faults + list(run.get("cost") or []) + good + exports
+
+
+def benchmark_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Each benchmark score from its first point (before step 1) to its last."""
+    names = sorted({k for r in rows for k in r if k.startswith("eval/")})
+    out = []
+    for name in names:
+        have = [r for r in rows if name in r]
+        first, last = have[0], have[-1]
+        out.append(
+            f"{name[5:]}: {first[name]:.4f} (step {first['step']}) → {last[name]:.4f} "
+            f"(step {last['step']})"
+        )
+    return out
 
 
 def journal_lines(j: dict[str, Any]) -> list[str]:

@@ -141,6 +141,25 @@ class TrainSection(_Section):
         "whole run (it used to count per worker, so the eval set changed with the layout).",
     )
 
+    eval_tasks: list[str] = Field(
+        default_factory=list,
+        description="Benchmarks scored in the loop with lm-evaluation-harness: task names "
+        "(arc_easy, hellaswag, gsm8k...) or paths of local task YAMLs (their data a local "
+        "jsonl, on a path every worker reads). Scores go to metrics as "
+        "eval/<task>/<metric> (docs: evaluation).",
+    )
+    eval_tasks_every: int | None = Field(
+        default=None,
+        ge=1,
+        description="Steps between benchmark runs; they also run before step 1 and at the "
+        "last step. null = before step 1 and at the last step only.",
+    )
+    eval_tasks_limit: int | None = Field(
+        default=None,
+        ge=1,
+        description="Examples per task (lm-eval's limit: the first N); null = the whole task.",
+    )
+
     @property
     def eval_limit(self) -> int | None:
         """Blocks each eval reads: eval_blocks, else eval_batches × micro_batch_size."""

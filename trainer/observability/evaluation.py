@@ -1,7 +1,8 @@
 """Evaluation: eval_loss (and perplexity) over the job's eval sets, every
 train.eval_every steps and at the last step. It sits beside the step report it feeds:
 the loop asks `Evaluation.due` at a reported step and adds `run()`'s figures to that
-step's record. Later evaluations (lm-evaluation-harness tasks) belong here too.
+step's record. The benchmark scores (lm-evaluation-harness tasks, train.eval_tasks) come
+through here too: `Benchmarks` (trainer.evaluation.component) decides their own cadence.
 
 Every rank evaluates its share of each set and the sums meet in one all-reduce, so the
 figure is the token-weighted mean over the whole set whatever the layout.
@@ -23,6 +24,7 @@ from trainer.data.tokenize import IGNORE
 
 if TYPE_CHECKING:
     from trainer.distributed.seam import Runtime
+    from trainer.evaluation.component import Benchmarks
     from trainer.strategies.base import Strategy
 
 Attend = Callable[[list[np.ndarray]], dict[str, Any]]
@@ -44,7 +46,8 @@ def all_reduce_sum(values: list[float], device: torch.device, world: int) -> lis
 
 
 class Evaluation:
-    """eval_loss every train.eval_every steps and at the last step, when there are eval sets."""
+    """eval_loss every train.eval_every steps and at the last step, when there are eval
+    sets; and the benchmarks when theirs is due."""
 
     def __init__(
         self,
@@ -54,16 +57,27 @@ class Evaluation:
         device: torch.device,
         sets: dict[str, PackedBlocks],
         attend: Attend,
+        benchmarks: Benchmarks,
     ):
         self.cfg, self.rt, self.strategy, self.device, self.sets = cfg, rt, strategy, device, sets
-        self.attend = attend
+        self.attend, self.benchmarks = attend, benchmarks
 
-    def due(self, done: int, is_last: bool) -> bool:
+    def _loss_due(self, done: int, is_last: bool) -> bool:
         every = self.cfg.train.eval_every
         return bool(self.sets) and (is_last or bool(every and done % every == 0))
 
-    def run(self) -> dict[str, float]:
-        return evaluate_all(self.strategy, self.sets, self.cfg, self.rt, self.device, self.attend)
+    def due(self, done: int, is_last: bool) -> bool:
+        return self._loss_due(done, is_last) or self.benchmarks.due(done, is_last)
+
+    def run(self, done: int, is_last: bool) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self._loss_due(done, is_last):
+            out.update(
+                evaluate_all(self.strategy, self.sets, self.cfg, self.rt, self.device, self.attend)
+            )
+        if self.benchmarks.due(done, is_last):
+            out.update(self.benchmarks.run())
+        return out
 
 
 def evaluate_all(
