@@ -91,6 +91,9 @@ def apply(model: Any, cfg: JobConfig, grew_vocab: bool, kbit: bool | None = None
         ) from None
     if kbit is None:
         kbit = cfg.model.adapter == "qlora"
+    from trainer.model import families
+
+    families.qlora_refusal(cfg.model.adapter, model.config.to_dict(), cfg.model.path)
     if kbit:
         keep_4bit_layout(model)
         model = prepare_model_for_kbit_training(

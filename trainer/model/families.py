@@ -197,6 +197,23 @@ def describe_targets(setting: Any, mconf: dict[str, Any]) -> str:
     return f"{text}; routed experts {', '.join(params)}" if params else text
 
 
+def qlora_refusal(adapter: str, mconf: dict[str, Any], where: str) -> None:
+    """QLoRA is refused on a mixture of experts, in one line, before anything loads: its
+    routed experts are fused 3-D parameters (transformers 5), and both 4-bit formats here
+    (bitsandbytes' Linear4bit for DDP, torchao's NF4 in trainer.model.nf4 for FSDP2) only
+    replace Linear layers, while peft's target_parameters adapts a plain parameter. The
+    experts (~90 % of Qwen3-30B-A3B) would silently stay in 16 bits under a "4-bit" run."""
+    routed = int(mconf.get("num_experts") or mconf.get("num_local_experts") or 0)
+    if adapter != "qlora" or not (routed or resolve_parameters("auto", mconf)):
+        return
+    raise ConfigError(
+        f"model.adapter qlora: model_type {model_type(mconf) or '(none)'} ({where}) is a "
+        "mixture of experts whose routed experts are fused 3-D parameters, which neither "
+        "bitsandbytes' nor torchao's 4-bit format (Linear layers only) quantizes; use "
+        "model.adapter lora (its plan counts the experts in 16 bits)"
+    )
+
+
 def check(
     *,
     mconf: dict[str, Any],
@@ -218,6 +235,7 @@ def check(
             f"strategy.pp: model_type {mt} ({where}) is not a family the pipeline stage "
             f"builder knows ({allowed}); set strategy.pp: 1"
         )
+    qlora_refusal(adapter, mconf, where)
     notes = []
     if fam is None or not fam.checked:
         checked = ", ".join(k for k, f in FAMILIES.items() if f.checked)

@@ -159,3 +159,25 @@ def test_the_plan_lists_what_the_adapter_trains_per_kind_as_the_run_counts_it(ki
     line = report.format_plan(plan.plan_job(cfg)).splitlines()[1]
     assert line.startswith("adapters train: attention ") and "; experts " in line, line
     assert "(experts.gate_up_proj, experts.down_proj)" in line
+
+
+def test_qlora_on_a_mixture_of_experts_is_refused_in_one_line_before_anything_loads(tmp_path):
+    from trainer.errors import ConfigError
+    from trainer.preflight import run_all
+
+    model = tiny_moe("mixtral")
+    model.config.save_pretrained(str(tmp_path))
+    cfg = lora_cfg().model_copy(deep=True)
+    cfg.model.path, cfg.model.adapter = str(tmp_path), "qlora"
+    with pytest.raises(ConfigError) as err:
+        run_all(cfg, strict=False)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("model.adapter qlora: model_type mixtral (")
+    assert "config.json" in msg and "use model.adapter lora" in msg
+    with pytest.raises(ConfigError, match="fused 3-D parameters"):  # the worker's guard too
+        adapters.apply(model, cfg, grew_vocab=False)
+    for mt in ("qwen3_moe", "qwen2_moe", "gpt_oss"):
+        with pytest.raises(ConfigError):
+            families.qlora_refusal("qlora", {"model_type": mt}, "config.json")
+    families.qlora_refusal("lora", {"model_type": "mixtral"}, "config.json")
+    families.qlora_refusal("qlora", {"model_type": "llama"}, "config.json")  # dense: fine
