@@ -43,6 +43,7 @@ its replica's loss, as the strategies' contract says.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 IGNORE = -100
 """trainer.data.tokenize.IGNORE: the label the loss skips."""
@@ -219,6 +222,14 @@ def ulysses_attention(
     return heads_to_seq(out, sg), weights
 
 
+def model_attention(model: torch.nn.Module) -> str:
+    """The attention implementation `model`'s config names (through DDP and PEFT)."""
+    from transformers import PretrainedConfig
+
+    found = (getattr(m, "config", None) for m in model.modules())
+    return next(c for c in found if isinstance(c, PretrainedConfig))._attn_implementation
+
+
 def attention_name(core: str) -> str:
     return f"raylift_sp_{core}"
 
@@ -300,4 +311,10 @@ def wrap(objective: Any, model: torch.nn.Module, sp: int) -> Any:
         return objective
     sg = new_group(sp)
     install(model, sg)
+    if dist.get_rank() == 0:
+        log.info(
+            "sequence parallel: each sequence split over %d workers (Ulysses around %s)",
+            sp,
+            model_attention(model),
+        )
     return SequenceShard(objective, sg)
