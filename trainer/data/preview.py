@@ -44,7 +44,8 @@ class Counts:
     trained: int = 0
     long_rows: int = 0  # longer than a block: split, or dropped (data.long_rows)
     dropped: int = 0
-    cut: int = 0  # preference pairs cut to fit a block
+    cut: int = 0  # preference pairs (KTO rows) cut to fit a block
+    padded: bool = False  # a pair cache's counts: every sequence padded to a block
     complete: bool = True  # the sample held every row of the source
     shown: list[str] = field(default_factory=list)
 
@@ -151,7 +152,7 @@ def count_pairs(
     from trainer.objectives.rows import iter_pairs, iter_unpaired
 
     ps = pair_settings(cfg, settings)
-    enc, counts = PairEncoder(tokenizer, ps), Counts()
+    enc, counts = PairEncoder(tokenizer, ps), Counts(padded=True)
     kto = cfg.train.objective == "kto"
     rows_of = iter_unpaired if kto else iter_pairs
 
@@ -177,7 +178,9 @@ def count_pairs(
             sides = [("chosen", chosen), ("rejected", rejected)]
         counts.rows += 1
         counts.cut += cut
-        counts.tokens += sum(len(prompt) + len(ids) for _, ids in sides)
+        # as the pair cache holds them: every sequence (a KTO row's mismatched one too)
+        # padded to one block; the trained tokens are the completions (their EOS included)
+        counts.tokens += 2 * ps.block_size
         counts.trained += sum(len(ids) for _, ids in sides)
         if len(counts.shown) < show * len(sides):
             n = len(counts.shown) // len(sides) + 1
@@ -246,12 +249,20 @@ def _section(
     what = describe(report, columns)
     scope = "every row" if counts.complete else f"the first {counts.rows} rows"
     long = "dropped" if d.long_rows == "drop" else "split"
+    trained = f"{counts.trained} trained ({100 * counts.share:.1f} %)"
+    if counts.padded:  # a pair cache: one padded block per sequence, nothing packed
+        counted = (
+            f"{counts.tokens} tokens in {counts.tokens // d.block_size} padded blocks, "
+            f"{trained}; {counts.cut} cut to fit a block of {d.block_size}"
+        )
+    else:
+        counted = (
+            f"{counts.tokens} tokens, {trained}; {counts.long_rows} longer than a block of "
+            f"{d.block_size} ({long}), {counts.dropped} dropped"
+        )
     lines = [
         f"{which} source {name} ({path}): {what}",
-        f"  {scope}: {counts.rows} rows, {counts.tokens} tokens, {counts.trained} trained "
-        f"({100 * counts.share:.1f} %); {counts.long_rows} longer than a block of "
-        f"{d.block_size} ({long}), {counts.dropped} dropped, {counts.cut} pairs cut, "
-        f"{report.skipped} bad rows skipped",
+        f"  {scope}: {counts.rows} rows, {counted}, {report.skipped} bad rows skipped",
     ]
     lines += [f"  skipped {s}" for s in report.first_skipped]
     return "\n".join(lines)

@@ -218,6 +218,9 @@ def tokenize_pairs(
         labels: list[int] = []
         for prompt, first, second, label, cut in read(src, enc, settings, report):
             stats.long_rows += cut
+            # the loss's tokens: both completions of a pair; a KTO row's own completion
+            # (its mismatched sequence only feeds the KL estimate, without a gradient)
+            stats.trained += len(first) + (0 if settings.unpaired else len(second))
             labels.append(int(bool(label)))
             for completion in (first, second):
                 ids = np.full(block, pad, dtype=dtype)

@@ -162,3 +162,48 @@ def test_pairs_show_chosen_beside_rejected_and_kto_rows_their_label(job, tmp_pat
         ("desirable", "5.</s>"),
         ("undesirable", "6.</s>"),
     ]
+
+
+def pair_counts(text: str) -> dict[str, int]:
+    m = re.search(
+        r"  every row: (\d+) rows, (\d+) tokens in \d+ padded blocks, (\d+) trained "
+        r"\([\d.]+ %\); (\d+) cut to fit a block",
+        text,
+    )
+    assert m, text
+    keys = ("documents", "num_tokens", "trained_tokens", "long_rows")
+    return dict(zip(keys, map(int, m.groups()), strict=True))
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_pair_counts_match_the_pair_cache_manifest(job, tmp_path, capsys, objective):
+    """The preview counts pairs (KTO rows) as the cache the run builds holds them: rows,
+    padded blocks, trained completion tokens, and the rows cut to fit a block (the last
+    row is longer than one)."""
+    from tests.support.preference import write_pairs
+    from trainer.__main__ import main
+    from trainer.runtime.launch import prepare_inputs
+
+    write_pairs(tmp_path / "p.jsonl", 5)
+    rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    long = "Tell me about " + "very " * 30 + "long prompts."
+    rows.append({"prompt": long, "chosen": "No.", "rejected": "Yes. " * 20})
+    if objective == "kto":
+        rows = [
+            {"prompt": r["prompt"], "completion": r["rejected"], "label": i % 3 == 0}
+            for i, r in enumerate(rows)
+        ]
+    data = write(tmp_path / f"{objective}.jsonl", rows)
+    path = job(
+        objective,
+        model={"special_tokens": None},
+        data={"train_file": str(data), "eval_file": None, "block_size": 40},
+        train={"objective": objective, "micro_batch_size": 1, "global_batch_size": 2},
+    )
+    assert main(["data", str(path), "--color", "never"]) == 0
+    got = pair_counts(capsys.readouterr().out)
+    (cache,) = prepare_inputs(load_config(path), progress=False).train_caches
+    meta = json.loads((Path(cache) / "manifest.json").read_text())
+    assert got == {k: meta[k] for k in got}
+    assert got["documents"] == 6 and got["long_rows"] == 1
+    assert 0 < got["trained_tokens"] < got["num_tokens"] == 6 * 2 * 40
