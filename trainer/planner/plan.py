@@ -13,7 +13,7 @@ from typing import Any
 
 from trainer.config import JobConfig
 from trainer.errors import UserError
-from trainer.planner import preference, sequence
+from trainer.planner import preference, rollouts, sequence
 from trainer.planner.catalog import InstanceType, get_instance, load_instances
 from trainer.planner.device import MIN_MARGIN
 from trainer.planner.device import margin as fit_margin
@@ -416,6 +416,12 @@ def plan_job(
             result.setup,
             chosen.tokens_per_s if chosen else tokens_per_s,
             tokens_per_epoch,
+        )
+    )
+    # Online RL: the rollout's KV cache, a frozen reference, the rollout's compute.
+    result.notes += rollouts.notes(
+        rollouts.cost(
+            cfg, result.shape, result.setup, chosen.tokens_per_s if chosen else tokens_per_s
         )
     )
     result.notes += _sequence_note(cfg, result, instance, rank0_instance, calibration)

@@ -61,7 +61,7 @@ def cost(
     """None for SFT. `tokens_per_s` is the whole layout's training throughput and
     `tokens_per_epoch` counts both sequences of every pair."""
     objective = cfg.train.objective
-    if objective in ("sft", "grpo", "rloo"):  # online RL's rollouts are not counted yet
+    if objective in ("sft", "grpo", "rloo"):  # online RL: trainer.planner.rollouts
         return None
     if objective not in REFERENCE_OBJECTIVES:
         reference = "none"
