@@ -331,8 +331,11 @@ def _report(spec: str, meta: dict[str, Any], settings: Settings, out: Path) -> N
         )
     if meta["long_rows"]:
         verb = "dropped" if settings.long_rows == "drop" else "split across blocks"
+        verb += " (data.long_rows)"
+        if hasattr(settings, "max_prompt_tokens"):  # a pair cache never splits a pair
+            verb = "cut to fit, the prompt from the left first (train.preference)"
         log.warning(
-            "%s: %d rows are longer than a block of %d tokens: %s (data.long_rows)",
+            "%s: %d rows are longer than a block of %d tokens: %s",
             spec,
             meta["long_rows"],
             settings.block_size,
