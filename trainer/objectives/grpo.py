@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from trainer.config import JobConfig
+from trainer.objectives.sft import RouterTerm
 from trainer.rollouts.logps import completion_logps
 
 BATCH = ("ids", "attention", "loss_mask", "advantages", "old", "ref")
@@ -148,6 +149,7 @@ class GRPO:
         self.rt: Any = None
         self._sums: torch.Tensor | None = None
         self._logged: list[dict[str, Any]] = []
+        self.router = RouterTerm()
 
     def open_feed(self, train: list[str], eval_: list[str], rank: int, world: int) -> Any:
         from trainer.rollouts.feed import RolloutFeed
@@ -196,10 +198,13 @@ class GRPO:
         **kw: Any,
     ) -> torch.Tensor:
         assert attention is not None and advantages is not None
-        logps, entropy = completion_logps(
-            model, x, attention, y.shape[1], self.s.temperature, entropy=True
-        )
+        with self.router.recording(model) as routed:  # a mixture of experts' aux loss
+            logps, entropy = completion_logps(
+                model, x, attention, y.shape[1], self.s.temperature, entropy=True
+            )
         loss, stats = policy_loss(self.s, logps, y, advantages, old, ref, num_items)
+        share = count_items(self.s.loss_type, y)
+        loss = loss + self.router.term(model, routed, share, num_items, attention)
         assert entropy is not None
         mask = y.to(entropy.dtype)
         tokens = mask.sum()
@@ -247,9 +252,11 @@ class GRPO:
             rest[len(names) :],
         )
         self._log_completions([x for s in stats for x in s.samples])
+        aux = self.router.metrics(all_reduce)
         if not n:
-            return {}
+            return aux
         out = {
+            **aux,
             "reward": r / n,
             "reward_std": max(r2 - r * r / n, 0.0) ** 0.5 / max(n - 1, 1) ** 0.5,
             "completions/mean_length": length / n,

@@ -32,6 +32,7 @@ from trainer.errors import DataError
 from trainer.objectives import losses
 from trainer.objectives.pairs import PairBlocks
 from trainer.objectives.preference import PairObjective, adapter_model
+from trainer.objectives.sft import RouterTerm
 
 METRICS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
 
@@ -109,6 +110,7 @@ class KTO(PairObjective):
         self.weights = (p.desirable_weight, p.undesirable_weight)
         self.column_reference = cfg.model.adapter == "none"
         self._sums: torch.Tensor | None = None
+        self.router = RouterTerm()
 
     # ---------------------------------------------------------------- the loss
 
@@ -131,12 +133,14 @@ class KTO(PairObjective):
         with torch.no_grad():
             kl_logps = losses.sequence_logps(model(input_ids=x[n:]).logits, y[n:])[0]
         kl = _mean_over_ranks((kl_logps - ref[n:].to(kl_logps.dtype)).sum(), n).clamp(min=0)
-        logps = losses.sequence_logps(model(input_ids=x[:n]).logits, y[:n])[0]
+        with self.router.recording(model) as routed:  # a mixture of experts' aux loss
+            logits = model(input_ids=x[:n]).logits
+        logps = losses.sequence_logps(logits, y[:n])[0]
         good = desirable.bool()
         ref_rows = ref[:n].to(logps.dtype)
         per_row, rewards = kto_losses(logps, ref_rows, good, kl, self.beta, *self.weights)
         self._record(good, rewards, logps.detach(), kl)
-        return per_row.sum() / num_items
+        return per_row.sum() / num_items + self.router.term(model, routed, n, num_items)
 
     # ---------------------------------------------------------------- metrics
 
@@ -174,4 +178,4 @@ class KTO(PairObjective):
             out["rewards/rejected"], out["logps/rejected"] = r_bad / bad, l_bad / bad
         if good and bad:
             out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
-        return out
+        return {**out, **self.router.metrics(all_reduce)}

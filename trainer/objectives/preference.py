@@ -18,6 +18,7 @@ import torch
 from trainer.config import JobConfig
 from trainer.objectives import losses
 from trainer.objectives.pairs import PairBlocks, PairFeed, open_pair_feed
+from trainer.objectives.sft import RouterTerm
 
 REFERENCE = ("dpo", "ipo", "hinge")
 METRICS = (
@@ -95,6 +96,7 @@ class Preference(PairObjective):
         self.adapter_reference = self.name in REFERENCE and cfg.model.adapter != "none"
         self.column_reference = self.name in REFERENCE and cfg.model.adapter == "none"
         self._sums: torch.Tensor | None = None
+        self.router = RouterTerm()
 
     # ---------------------------------------------------------------- the loss
 
@@ -142,10 +144,13 @@ class Preference(PairObjective):
     ) -> torch.Tensor:
         if self.name in REFERENCE:
             ref = self.reference_logps(model, x, y, ref)
-        logps, lens = losses.sequence_logps(model(input_ids=x).logits, y)
+        with self.router.recording(model) as routed:  # a mixture of experts' aux loss
+            logits = model(input_ids=x).logits
+        logps, lens = losses.sequence_logps(logits, y)
         per_pair, chosen, rejected, logged = self.pair_losses(logps, lens, ref)
         self._record(chosen, rejected, logged.detach())
-        return per_pair.sum() / num_items
+        aux = self.router.term(model, routed, len(chosen), num_items)
+        return per_pair.sum() / num_items + aux
 
     # ---------------------------------------------------------------- metrics
 
@@ -170,6 +175,7 @@ class Preference(PairObjective):
         local = [0.0] * (1 + len(METRICS)) if self._sums is None else self._sums.tolist()
         self._sums = None
         count, *sums = all_reduce(local)
+        aux = self.router.metrics(all_reduce)
         if not count:
-            return {}
-        return {name: s / count for name, s in zip(METRICS, sums, strict=True)}
+            return aux
+        return {**{name: s / count for name, s in zip(METRICS, sums, strict=True)}, **aux}

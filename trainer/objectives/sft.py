@@ -93,6 +93,58 @@ class SFT:
         return {"aux_loss": weighted / targets} if targets else {}
 
 
+class RouterTerm:
+    """The router aux loss for an objective that runs the model itself (preference, KTO,
+    GRPO): the forwards that train, run inside `recording`, give `term`, coef × their aux
+    loss × the micro batch's share of the step (its `count` over `num_items`, the step's
+    divisor), so a step adds coef × the count-weighted mean aux loss once, on any number of
+    micro batches and ranks, as SFT does with targets. No-grad forwards (a reference, KTO's
+    mismatched rows) stay outside. `metrics` reports it apart as `aux_loss`."""
+
+    def __init__(self) -> None:
+        self._router: dict[int, RouterAux | None] = {}
+        self._aux: list[torch.Tensor] = []  # per micro batch: (aux × count, count)
+
+    @contextlib.contextmanager
+    def recording(self, model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+        if id(model) not in self._router:
+            self._router[id(model)] = RouterAux.find(model)
+        router = self._router[id(model)]
+        if router is None:
+            yield []
+            return
+        with router.recording() as logits:
+            yield logits
+
+    def term(
+        self,
+        model: torch.nn.Module,
+        logits: list[torch.Tensor],
+        count: Any,
+        num_items: Any,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor | float:
+        """The aux term of the forwards `logits` were recorded from (`mask`: their 2-D
+        padding mask, as the model was given it)."""
+        router = self._router.get(id(model))
+        if router is None or not logits:
+            return 0.0
+        aux = router.aux_loss(logits, mask)
+        count = torch.as_tensor(count, dtype=torch.float32, device=aux.device)
+        self._aux.append(torch.stack([aux.detach().float() * count, count]))
+        return router.coef * aux * (count / num_items).to(aux.dtype)
+
+    def metrics(self, all_reduce: Any) -> dict[str, float]:
+        """`aux_loss`, the count-weighted mean since the last report over every rank;
+        nothing for a dense model. Collective where the model routes."""
+        if not self._aux and not any(self._router.values()):
+            return {}
+        local = torch.stack(self._aux).sum(0).tolist() if self._aux else [0.0, 0.0]
+        self._aux = []
+        weighted, count = all_reduce(local)
+        return {"aux_loss": weighted / count} if count else {}
+
+
 class RouterAux:
     """A mixture-of-experts causal LM's router auxiliary loss, made from transformers' own
     parts: the router modules its `_can_record_outputs["router_logits"]` names, and the
@@ -141,5 +193,8 @@ class RouterAux:
             for h in hooks:
                 h.remove()
 
-    def aux_loss(self, logits: list[torch.Tensor]) -> torch.Tensor:
-        return self.func(tuple(logits), self.experts, self.top_k, None)
+    def aux_loss(
+        self, logits: list[torch.Tensor], mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """transformers' own loss; `mask` (2-D padding, 1 = a token) leaves pads out."""
+        return self.func(tuple(logits), self.experts, self.top_k, mask)
