@@ -28,6 +28,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "plan": ("tools.plan", "memory per rank and node, a verdict, the cheapest layout, its cost"),
     "image": ("tools.image", "build, push and lock the training images"),
     "report": ("tools.report", "summarise a run from its metrics: numbers and a PNG"),
+    "eval": ("tools.evaluate", "benchmark scores of an export, or of a run's exports by step"),
     "demo": ("tools.demo", "the production path end to end on a local Ray cluster"),
     "gpu-check": (
         "tools.gpucheck.driver",
