@@ -69,6 +69,7 @@ class Progress:
     memory: str | None = None  # the fullest rank at the last logged step
     slowest: str | None = None  # the phase that took most of a step, over the steady run
     rewards: str | None = None  # a preference objective's TRL metrics at the last step
+    benchmarks: str | None = None  # train.eval_tasks' newest scores, and their step
 
 
 PHASE_NAMES = {
@@ -190,6 +191,7 @@ def read_progress(meta: dict[str, str], total: int | None = None) -> Progress:
         memory=memory_line(last),
         slowest=slowest_line(steps),
         rewards=rewards_line(last),
+        benchmarks=benchmarks_line(steps),
     )
 
 
@@ -203,6 +205,16 @@ def rewards_line(record: dict[str, Any]) -> str | None:
         f"{record['rewards/margins']:.3f} (chosen {record['rewards/chosen']:.3f}, "
         f"rejected {record['rewards/rejected']:.3f})"
     )
+
+
+def benchmarks_line(steps: list[dict[str, Any]]) -> str | None:
+    """The newest benchmark scores (eval/<task>/<metric>, trainer.evaluation) and the step
+    that scored them."""
+    scored = next((r for r in reversed(steps) if any(k.startswith("eval/") for k in r)), None)
+    if scored is None:
+        return None
+    values = ", ".join(f"{k[5:]} {v:.4f}" for k, v in sorted(scored.items()) if k[:5] == "eval/")
+    return f"{values} (step {scored['step']})"
 
 
 _STEP_TOTAL = re.compile(r"step \d+/(\d+) loss")

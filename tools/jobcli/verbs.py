@@ -99,6 +99,8 @@ def status(args: argparse.Namespace, client: Any, target: cluster.Target) -> int
     ]
     if p.rewards:
         lines.append(("rewards", p.rewards))
+    if p.benchmarks:
+        lines.append(("benchmarks", p.benchmarks))
     if p.note:
         lines.append(("note", p.note))
     if state in runs.LIVE:

@@ -1,11 +1,13 @@
-"""`raylift report` reads the benchmark scores back: the point before step 1 (a `benchmark`
-event at step 0) and the steps that scored them, as a line per score and a curve."""
+"""`raylift report` and `raylift status` read the benchmark scores back: the point before
+step 1 (a `benchmark` event at step 0) and the steps that scored them, as a line per score
+and a curve; status, the newest scores and their step."""
 
 from __future__ import annotations
 
 import json
 
 from tools import report
+from tools.jobcli import runs
 
 
 def test_benchmark_scores_from_before_step_1_to_the_last_step(tmp_path):
@@ -27,3 +29,7 @@ def test_benchmark_scores_from_before_step_1_to_the_last_step(tmp_path):
     assert "mc/acc: 0.2500 (step 0) → 0.7500 (step 6)" in lines
     png = report.plot(run, tmp_path / "out" / "loss.png", "r1")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    meta = {runs.RUN_KEY: "r1", "raylift_storage": str(tmp_path / "runs")}
+    want = "gen/exact_match 0.6000, mc/acc 0.7500 (step 6)"
+    assert runs.read_progress(meta).benchmarks == want
+    assert runs.benchmarks_line([{"step": 1, "loss": 2.0}]) is None
