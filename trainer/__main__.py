@@ -162,6 +162,7 @@ def _root_cause(exc: BaseException) -> BaseException:
     while id(exc) not in seen:
         seen.add(id(exc))
         inner = getattr(exc, "cause", None) or exc.__cause__
+        inner = inner or getattr(exc, "controller_failure", None)  # StopOnUserError's
         if inner is None:
             errors = getattr(exc, "worker_failures", None)
             if isinstance(errors, dict) and errors:

@@ -3,6 +3,11 @@
 A `UserError` is something the person running the job can fix (a config field, a data
 line, a missing file). The CLI prints it as one line and exits 2; everything else is a
 bug and keeps its traceback.
+
+A `NotRetried` error is one a restart cannot fix (the same weights fail the same check):
+Ray Train would charge it to run.max_failures and retry the attempt from the last
+checkpoint, training again only to fail again. The controller's `StopOnUserError`
+callback (trainer.resilience.callbacks) ends the run on it instead.
 """
 
 
@@ -24,3 +29,14 @@ class CheckpointError(UserError):
 
 class DeviceError(UserError):
     """The job asks for hardware this node does not have (a GPU path on a CPU node)."""
+
+
+class NotRetried(UserError):
+    """A worker's user error that a restart would only repeat: the run ends on it."""
+
+
+def not_retried(exc: BaseException) -> NotRetried | None:
+    """`exc` itself, or the worker exception Ray Train wraps it in (its `_base_exc`), when
+    it is a `NotRetried` error; None otherwise."""
+    inner = getattr(exc, "_base_exc", exc)
+    return inner if isinstance(inner, NotRetried) else None

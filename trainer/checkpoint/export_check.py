@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import JobConfig
-from trainer.errors import UserError
+from trainer.errors import NotRetried
 
 log = logging.getLogger("trainer")
 
@@ -33,8 +33,9 @@ in rounding order ((W + s·BA)x against Wx + s·B(Ax)), ~1e-7 per layer."""
 BATCH_ROWS, BATCH_LEN, BATCH_SEED = 2, 16, 1234
 
 
-class ExportCheckError(UserError):
-    """An export was written but does not give the trained model's outputs."""
+class ExportCheckError(NotRetried):
+    """An export was written but does not give the trained model's outputs. Not retried:
+    the same checkpoint would write and fail the same export again."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class LogitsCheck:
     reference: str
     rel_error: float
     tolerance: float
+    max_diff: float | None = None
+    """The largest |export - reference| logit difference itself (rel_error is it over the
+    largest |reference| logit); None in checks.json files written before it was kept."""
 
     @property
     def passed(self) -> bool:
@@ -52,10 +56,11 @@ class LogitsCheck:
 
     def line(self) -> str:
         verdict = "match" if self.passed else "DO NOT match"
+        diff = "" if self.max_diff is None else f"max difference {self.max_diff:.3g}, "
         return (
             f"{self.export}: logits {verdict} {self.reference} on a fixed "
-            f"{BATCH_ROWS}x{BATCH_LEN} batch (max error {self.rel_error:.2e} of the largest "
-            f"logit, tolerance {self.tolerance:.0e})"
+            f"{BATCH_ROWS}x{BATCH_LEN} batch ({diff}max error {self.rel_error:.2e} of the "
+            f"largest logit, tolerance {self.tolerance:.0e})"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -64,6 +69,7 @@ class LogitsCheck:
             "reference": self.reference,
             "rel_error": self.rel_error,
             "tolerance": self.tolerance,
+            "max_diff": self.max_diff,
             "passed": self.passed,
         }
 
@@ -93,15 +99,17 @@ def compare(export: str, reference: str, got: Any, want: Any, tol: float) -> Log
             f"{tuple(want.shape)}; the folder is not the trained model, do not serve it"
         )
     scale = max(float(want.abs().max()), 1e-12)
-    err = float((got - want).abs().max()) / scale
-    return LogitsCheck(export, reference, err, tol)
+    diff = float((got - want).abs().max())
+    return LogitsCheck(export, reference, diff / scale, tol, diff)
 
 
 def require(check: LogitsCheck) -> LogitsCheck:
     """Log the check's line; a failed check is one error line that names the folder."""
     if not check.passed:
         raise ExportCheckError(
-            check.line() + "; the export is not uploaded: report this as a Raylift bug "
+            "export check failed: "
+            + check.line()
+            + "; the export is not uploaded: report this as a Raylift bug "
             "(the run's checkpoints keep the trained weights)"
         )
     log.info("%s", check.line())
@@ -218,7 +226,11 @@ def export_lines(run: Any) -> list[str]:
         lines.append(
             "checked: "
             + LogitsCheck(
-                c["export"], c["reference"], float(c["rel_error"]), float(c["tolerance"])
+                c["export"],
+                c["reference"],
+                float(c["rel_error"]),
+                float(c["tolerance"]),
+                None if c.get("max_diff") is None else float(c["max_diff"]),
             ).line()
         )
     if not record.get("checks"):

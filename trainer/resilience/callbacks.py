@@ -80,3 +80,19 @@ class FailureJournal(UserCallback):
             )
         except Exception as exc:  # a journal must never take the controller down
             log.warning("failure journal not written: %s", exc)
+
+
+class StopOnUserError(UserCallback):
+    """Ends the run on a worker's `NotRetried` error (a failed export check) instead of
+    letting Ray Train retry the attempt: raised from this hook, the error reaches the
+    controller as a non-retryable ControllerError, which `fit()` raises with the worker's
+    error inside. Listed after FailureJournal, so the failure is journaled first."""
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        from trainer.errors import not_retried
+
+        for rank in sorted(worker_exceptions):
+            error = not_retried(worker_exceptions[rank])
+            if error is not None:
+                log.error("rank %d: %s (not retried: a restart would repeat it)", rank, error)
+                raise error

@@ -170,7 +170,7 @@ def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
 
     _connect_ray()
     from trainer.checkpoint import memory
-    from trainer.resilience.callbacks import FailureJournal
+    from trainer.resilience.callbacks import FailureJournal, StopOnUserError
     from trainer.storage.retry import retrying
 
     run = run_location(cfg)
@@ -198,7 +198,8 @@ def launch_ray(cfg: JobConfig, prep: Prepared) -> dict[str, Any]:
         callbacks=[
             FailureJournal(
                 cfg.storage.path, cfg.storage.endpoint_override, cfg.storage.region, cfg.run.name
-            )
+            ),
+            StopOnUserError(),
         ],
     )
     trainer = TorchTrainer(
