@@ -97,6 +97,7 @@ def check_model(cfg: JobConfig, strict: bool, report: Report) -> None:
 
         check_model_layout(cfg.strategy, mcfg, src)
     check_nf4_shards(cfg, mcfg, src)
+    check_gguf_family(cfg, mcfg, src)
     if isinstance(limit, int) and cfg.data.block_size > limit:
         raise ConfigError(
             f"data.block_size: {cfg.data.block_size} exceeds the model's "
@@ -108,6 +109,19 @@ def check_model(cfg: JobConfig, strict: bool, report: Report) -> None:
             raise UserError(
                 f"model.path {d}: no tokenizer.json; set model.tokenizer to a folder with one"
             )
+
+
+def check_gguf_family(cfg: JobConfig, mcfg: dict, src: str) -> None:
+    """export.formats gguf for a family the GGUF writer does not map would fail at the
+    first export, after training: refuse it before anything is paid for."""
+    from trainer.config.export import GGUF_MODEL_TYPES
+
+    kind = mcfg.get("model_type")
+    if "gguf" in cfg.export.formats and kind not in GGUF_MODEL_TYPES:
+        raise ConfigError(
+            f"export.formats: gguf writes model_type {', '.join(GGUF_MODEL_TYPES)} in this "
+            f"build, and {src} says {kind!r}; drop gguf from export.formats"
+        )
 
 
 def check_nf4_shards(cfg: JobConfig, mcfg: dict, src: str) -> None:

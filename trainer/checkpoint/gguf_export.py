@@ -24,12 +24,13 @@ from typing import Any
 
 import numpy as np
 
+from trainer.config.export import GGUF_MODEL_TYPES
 from trainer.errors import UserError
 
 log = logging.getLogger("trainer")
 
 GGUF_DIR = "gguf"
-ARCHITECTURES = ("llama",)
+ARCHITECTURES = GGUF_MODEL_TYPES
 
 TOLERANCE = {"f32": 1e-5, "f16": 1e-2, "q8_0": 5e-2}
 """Largest allowed |gguf - hf| over the fixed batch's logits, relative to the largest |hf|

@@ -10,6 +10,9 @@ from trainer.config.base import _Section
 
 EXPORT_FORMATS = ("hf", "gguf")
 GGUF_TYPES = ("f16", "q8_0", "f32")
+GGUF_MODEL_TYPES = ("llama",)
+"""The config.json model_types trainer.checkpoint.gguf_export writes (its name map and
+rotary layout are llama.cpp's `llama` graph's); preflight refuses others before launch."""
 
 
 class ExportSection(_Section):
