@@ -453,14 +453,37 @@ def _staging_bytes(shape: ModelShape, s: Setup) -> dict[str, float]:
     return partition
 
 
-def _export_bytes(shape: ModelShape, s: Setup) -> float:
-    """Rank 0 consolidates the export in host RAM: the full fp32 model (FSDP's gathered
-    state dict, DDP's safetensors serialisation), the 16-bit gather under DeepSpeed, or
-    only the adapter (plus a fresh fp32 base and its serialisation when merging)."""
+GGUF_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
+"""Bytes per parameter of each GGUF weight type (q8_0: blocks of 32 int8 and one fp16 scale)."""
+
+
+def export_steps(shape: ModelShape, s: Setup) -> dict[str, float]:
+    """Host RAM of each step of rank 0's export, which run one after another, each freeing
+    what it held (trainer.checkpoint.export_check.finish_export):
+    - write: the full fp32 model (FSDP's gathered state dict, DDP's safetensors
+      serialisation), the 16-bit gather under DeepSpeed, or only the adapter (plus a fresh
+      fp32 base and its serialisation when merging);
+    - check merged: the check's reference, a second fp32 base with the adapter applied by
+      PEFT (the merged folder is loaded only after it is freed: the same size again);
+    - gguf <type>: gguf's writer holds every converted tensor until it writes the file;
+    - check gguf: transformers reads the file back dequantized to an fp32 state dict and
+      fills a model from it (two fp32 copies at the peak)."""
     m = shape.params
+    adapter = 4.0 * shape.lora_params(s.lora_r, list(s.lora_targets)) if s.adapter != "none" else 0
     if s.adapter != "none":
-        extra = 8.0 * m if s.merge_on_export else 0.0
-        return 4.0 * shape.lora_params(s.lora_r, list(s.lora_targets)) + extra
-    if s.strategy in ("zero2", "zero3"):
-        return float(s.c * m)
-    return 4.0 * m
+        steps = {"write": adapter + (8.0 * m if s.merge_on_export else 0.0)}
+        if s.merge_on_export:
+            steps["check merged"] = 4.0 * m + adapter
+    elif s.strategy in ("zero2", "zero3"):
+        steps = {"write": float(s.c * m)}
+    else:
+        steps = {"write": 4.0 * m}
+    for t in s.gguf_types:
+        steps[f"gguf {t}"] = GGUF_BYTES[t] * m
+        steps["check gguf"] = 8.0 * m
+    return steps
+
+
+def _export_bytes(shape: ModelShape, s: Setup) -> float:
+    """The export phase's peak on rank 0's node: its largest step (export_steps)."""
+    return max(export_steps(shape, s).values())

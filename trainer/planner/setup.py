@@ -34,6 +34,8 @@ class Setup:
     lora_r: int = 8
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     merge_on_export: bool = False
+    gguf_types: tuple[str, ...] = ()
+    """export.gguf_types when export.formats lists gguf: each is written, then checked."""
     fsdp_reshard: bool = True
     fsdp_cpu_offload: bool = False
     tp: int = 1
@@ -102,6 +104,7 @@ class Setup:
             lora_r=cfg.model.lora.r,
             lora_targets=_targets(cfg.model.lora.target_modules),
             merge_on_export=cfg.model.lora.merge_on_export,
+            gguf_types=tuple(cfg.export.gguf_types) if "gguf" in cfg.export.formats else (),
             grad_accum=cfg.train.grad_accum,
             # a number > 0; auto is decided per node type (trainer.planner.tiers)
             memory_tier=cfg.checkpoint.memory_every not in (0, "auto"),
