@@ -172,10 +172,15 @@ def _one_process(model_dir: Path, kind: str, adapter: str) -> dict[str, object]:
 
 
 def test_moe_under_ddp_fsdp2_and_zero3_matches_one_process(tmp_path):
+    from safetensors import safe_open
+
     from tests.unit.model.test_moe_lora import tiny_moe
 
     for kind in KINDS:
         tiny_moe(kind).save_pretrained(str(tmp_path / kind))
+    (f,) = (tmp_path / "qwen3_moe").glob("*.safetensors")
+    with safe_open(str(f), framework="pt") as st:  # per-expert Linears: FSDP2 converts them
+        assert "model.layers.0.mlp.experts.3.down_proj.weight" in set(st.keys())
     out = tmp_path / "got.json"
     outs = [str(out), *(f"{out}.{r}" for r in range(1, WORLD))]
     mp.start_processes(
