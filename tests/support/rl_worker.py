@@ -17,6 +17,12 @@ from trainer.config import load_config
 from trainer.rollouts.prompts import prepare_prompts
 from trainer.strategies.base import ModelSource, build_strategy
 
+STRATEGIES = {
+    "ddp": {"name": "ddp"},
+    "fsdp": {"name": "fsdp"},
+    "zero3": {"name": "deepspeed", "config": "zero3"},
+}
+
 
 def main(strategy_name: str, model: str, prompts: str, out: str) -> None:
     dist.init_process_group("gloo")
@@ -25,7 +31,7 @@ def main(strategy_name: str, model: str, prompts: str, out: str) -> None:
         {
             "model": {"path": model},
             "data": {"train_file": prompts},
-            "strategy": {"name": strategy_name},
+            "strategy": STRATEGIES[strategy_name],
             "train": {
                 "objective": "grpo",
                 "micro_batch_size": 4,
@@ -35,6 +41,7 @@ def main(strategy_name: str, model: str, prompts: str, out: str) -> None:
                     "num_generations": 4,
                     "max_completion_length": 6,
                     "rewards": [{"function": "format_regex", "options": {"pattern": "e"}}],
+                    "beta": 0.04,
                 },
             },
             "optim": {"lr": 1e-2, "schedule": "constant"},
@@ -66,7 +73,12 @@ def main(strategy_name: str, model: str, prompts: str, out: str) -> None:
         strategy.step()
         metrics = objective.metrics(_sum)
         steps.append(
-            {"ids": [m[0].tolist() for m in micro], "loss": loss, "reward": metrics["reward"]}
+            {
+                "ids": [m[0].tolist() for m in micro],
+                "loss": loss,
+                "reward": metrics["reward"],
+                "kl": metrics["kl"],
+            }
         )
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(steps))
     dist.destroy_process_group()

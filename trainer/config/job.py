@@ -131,18 +131,6 @@ class JobConfig(_Section):
                 f"data.attention: document does not apply to train.objective {objective} "
                 "(completions are never packed: each is a row of its own); leave it auto"
             )
-        if s.name == "deepspeed" and s.config != "zero2":
-            raise ValueError(
-                f"strategy.config: {s.config} with train.objective {objective} is not in this "
-                "build (ZeRO-3's generate is not checked yet); use zero2, or fsdp"
-            )
-        sharded = isinstance(s, FSDPOptions)
-        if sharded and rl.beta_for(objective) != 0.0 and self.model.adapter == "none":
-            raise ValueError(
-                f"train.rl.beta: a reference with strategy {s.name} in full fine-tuning is not "
-                "in this build (a frozen sharded copy is still to come); use beta 0, "
-                "model.adapter lora (the reference is the adapter off), or ddp"
-            )
         if isinstance(self.data.train_file, list):
             raise ValueError(
                 f"data.train_file: a list of sources with train.objective {objective} is not "

@@ -3,8 +3,9 @@ engine over the strategy's model, the reward functions, and the log-prob functio
 rollout keeps (the policy's at sampling time, the reference's when beta > 0).
 
 The reference is the base with its adapter switched off under lora/qlora (one model in
-memory), else a frozen copy of the starting weights on the worker (a second model: the
-planner's memory estimate does not count it yet)."""
+memory), else a frozen copy of the starting weights (the strategy's `frozen_copy`):
+sharded as the policy under FSDP2, partitioned in an engine of its own under ZeRO-3, whole
+on the worker under DDP and ZeRO-2; the planner counts it (trainer.planner.rollouts)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,16 @@ def _logps_fn(
     return run
 
 
+def frozen_copy(strategy: Any) -> torch.nn.Module:
+    """The full-fine-tuning reference: the starting weights, frozen (bind_feed runs before
+    a resume loads its checkpoint). A sharded strategy builds its own (FSDP2: sharded as
+    the policy, so its forward gathers as the policy's does; ZeRO-3 partitioned in an
+    engine of its own); a whole model is copied."""
+    if hasattr(strategy, "frozen_copy"):
+        return strategy.frozen_copy()
+    return copy.deepcopy(unwrap(strategy.model)).requires_grad_(False)
+
+
 def bind_feed(cfg: JobConfig, strategy: Any, feed: RolloutFeed) -> None:
     from trainer.data.tokenize import read_chat_template
     from trainer.model.folders import local_tokenizer_dir
@@ -68,9 +79,10 @@ def bind_feed(cfg: JobConfig, strategy: Any, feed: RolloutFeed) -> None:
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     sampling = Sampling(rl.temperature, rl.top_p, rl.max_completion_length, eos, pad)
-    # FSDP2's forward gathers each layer's shards: every rank decodes as many steps
+    # FSDP2's and ZeRO-3's forwards gather each layer's shards: every rank decodes as
+    # many steps (ZeRO-3's gathers are its engine's module hooks, which generate runs too)
     synced = (
-        cfg.strategy.name == "fsdp"
+        (cfg.strategy.name == "fsdp" or getattr(strategy, "stage", 0) == 3)
         and torch.distributed.is_initialized()
         and torch.distributed.get_world_size() > 1
     )
@@ -84,8 +96,7 @@ def bind_feed(cfg: JobConfig, strategy: Any, feed: RolloutFeed) -> None:
             peft = unwrap(strategy.model)
             reference = _logps_fn(peft, strategy, rl.temperature, micro, peft.disable_adapter)
         else:
-            frozen = copy.deepcopy(unwrap(strategy.model)).requires_grad_(False)
-            reference = _logps_fn(frozen, strategy, rl.temperature, micro)
+            reference = _logps_fn(frozen_copy(strategy), strategy, rl.temperature, micro)
     template = read_chat_template(cfg.data.chat_template)
 
     def decode(ids: list[int]) -> str:

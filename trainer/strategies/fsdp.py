@@ -54,7 +54,7 @@ from trainer.strategies.common import (
     build_optimizer,
     torch_state_nbytes,
 )
-from trainer.strategies.fsdp_build import build_part
+from trainer.strategies.fsdp_build import build_part, frozen_part
 from trainer.strategies.mesh_state import OptimizerGroup, clip_grad_norm_mesh
 
 IGNORE = -100
@@ -90,7 +90,7 @@ class FSDPStrategy(ModelCalls):
             # One process (torchrun with one rank): FSDP still needs a process group.
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         self.mesh = build_mesh(Layout(self.dp, self.pp, self.tp), self.device)
-        self.source_dir = source.model_dir
+        self.source_dir, self.source = source.model_dir, source
         conf = model_config(source.model_dir, self.cfg, source.vocab_size)
         std = float(getattr(conf, "initializer_range", 0.02))
         weights = full_state_dict(source.model_dir, source.vocab_size, std, self.cfg.train.seed)
@@ -121,6 +121,10 @@ class FSDPStrategy(ModelCalls):
             self.optimizer = OptimizerGroup(self.optimizers)
         if self.pp > 1:
             self._build_schedule()
+
+    def frozen_copy(self) -> torch.nn.Module:
+        """GRPO's reference in full fine-tuning: the starting weights, sharded as the policy."""
+        return frozen_part(self.cfg, self.device, self.mesh, self.source)
 
     def param_count(self) -> int:
         """Every stage's parameters: this rank's stages, summed over the pipeline ranks

@@ -15,6 +15,7 @@ import torch
 from trainer.config import FSDPOptions, JobConfig
 from trainer.errors import UserError
 from trainer.model import adapters, attention, nf4
+from trainer.model.loading import full_state_dict, model_config
 from trainer.objectives import linear_ce
 from trainer.strategies.base import ModelSource
 from trainer.strategies.common import compile_layers, decoder_layers
@@ -143,6 +144,20 @@ def build_part(
         )
     model.config.use_cache = False
     return model, nf4_load
+
+
+def frozen_part(
+    cfg: JobConfig, device: torch.device, mesh: Any, source: ModelSource
+) -> torch.nn.Module:
+    """The starting checkpoint again as a frozen, sharded model (pp = 1): online RL's
+    reference with beta > 0 in full fine-tuning. Sharded like the policy, it costs one
+    more set of parameter shards per rank and no gradients or optimizer state; its
+    forward gathers layer by layer, so every rank scores as many batches."""
+    conf = model_config(source.model_dir, cfg, source.vocab_size)
+    std = float(getattr(conf, "initializer_range", 0.02))
+    weights = full_state_dict(source.model_dir, source.vocab_size, std, cfg.train.seed)
+    part, _ = build_part(cfg, device, mesh, 1, conf, 0, weights, source)
+    return part.requires_grad_(False).eval()
 
 
 def _tied_keys(model: Any) -> list[str]:

@@ -102,17 +102,19 @@ def test_refused_in_one_line(train, top, message) -> None:
 
 
 def test_sharded_strategies() -> None:
-    """fsdp samples with its weights sharded (synced decoding); its full fine-tuning
-    reference and ZeRO-3 are refused for now, each in one line."""
-    assert _cfg(strategy={"name": "fsdp"}).strategy.name == "fsdp"
+    """fsdp and ZeRO-3 sample with their weights sharded (synced decoding) and take a
+    full fine-tuning reference (a frozen sharded copy); tp/pp stay refused."""
     beta = {"rl": {"rewards": REWARD, "beta": 0.04}}
-    lora = _cfg(beta, strategy={"name": "fsdp"}, model={"path": "unused", "adapter": "lora"})
-    assert lora.model.adapter == "lora"
-    with pytest.raises(ConfigError, match=r"train\.rl\.beta: a reference with strategy fsdp"):
-        _cfg(beta, strategy={"name": "fsdp"})
-    with pytest.raises(ConfigError, match=r"strategy\.config: zero3 with train\.objective grpo"):
-        _cfg(strategy={"name": "deepspeed"})
-    assert _cfg(strategy={"name": "deepspeed", "config": "zero2"}).strategy.name == "deepspeed"
+    for strategy in (
+        {"name": "fsdp"},
+        {"name": "deepspeed"},
+        {"name": "deepspeed", "config": "zero2"},
+    ):
+        assert _cfg(beta, strategy=strategy).train.rl.beta == 0.04
+        lora = _cfg(beta, strategy=strategy, model={"path": "unused", "adapter": "lora"})
+        assert lora.model.adapter == "lora"
+    with pytest.raises(ConfigError, match=r"strategy\.tp/pp > 1 is not supported"):
+        _cfg(strategy={"name": "fsdp", "tp": 2}, scaling={"num_workers": 2})
 
 
 def test_elastic_refused() -> None:

@@ -137,7 +137,7 @@ class DeepSpeedStrategy(ModelCalls):
             self._hf_ds = HfDeepSpeedConfig(ds)
         model = load_model(source.model_dir, cfg, source.vocab_size)
         linear_ce.configure(model, cfg.train.loss, cfg.train.loss_chunk)
-        self.source_dir = source.model_dir
+        self.source_dir, self.vocab_size = source.model_dir, source.vocab_size
         self.adapter = adapters.enabled(cfg)
         if self.adapter:
             # PEFT over the (ZeRO-3: partitioned) base; its new adapter weights are plain
@@ -188,6 +188,26 @@ class DeepSpeedStrategy(ModelCalls):
         return torch.optim.AdamW(
             groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=fused, foreach=None if fused else True
         )
+
+    def frozen_copy(self) -> torch.nn.Module:
+        """GRPO's reference in full fine-tuning: the starting weights, frozen. ZeRO-3 loads
+        them partitioned (the HfDeepSpeedConfig of setup is still alive) into an engine of
+        their own without an optimizer, whose hooks gather each layer for its forward (as
+        TRL's prepare_deepspeed does); ZeRO-2 keeps a whole copy."""
+        import copy
+
+        import deepspeed
+
+        if self.stage != 3:
+            return copy.deepcopy(self.engine.module).requires_grad_(False).eval()
+        model = load_model(self.source_dir, self.cfg, self.vocab_size).requires_grad_(False)
+        ds = copy.deepcopy(self.ds_config)
+        for key in ("optimizer", "scheduler"):
+            ds.pop(key, None)
+        ds["zero_optimization"].pop("offload_optimizer", None)
+        engine, *_ = deepspeed.initialize(model=model, config=ds, dist_init_required=False)
+        engine.eval()  # DeepSpeedEngine.eval returns None
+        return engine
 
     def precision(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # the engine runs the model in bf16/fp16 itself
