@@ -3,7 +3,8 @@
 Builds a tiny Llama and a tokenizer trained here, generates a GSM8K-shaped dataset in the
 Ray Llama template's format, starts a local Ray cluster on 127.0.0.1, submits the job
 through the Jobs API exactly as `raylift run` (tools/jobcli) does against a real cluster,
-follows it, plots the loss, and stops the cluster it started.
+follows it, plots the loss (and the benchmark's score before and after training), and
+stops the cluster it started.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import time
 from pathlib import Path
 
 from tools import report, tiny
-from tools.demo.job import JOB
+from tools.demo.bench import write_task
+from tools.demo.job import JOB, with_benchmark
 from tools.demo.promises import broken_promises
 from tools.jobcli import follow, submit
 from tools.localcluster import LocalCluster
@@ -37,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         tiny.build_all(assets, rows=args.rows)
     name = time.strftime("demo-%Y%m%d-%H%M%S")
     job = out / f"{name}.yaml"
-    job.write_text(JOB.format(assets=assets, out=out, name=name))
+    task = write_task(assets / "bench")
+    job.write_text(with_benchmark(JOB.format(assets=assets, out=out, name=name), str(task)))
     cfg = load_config(job)
     run_all(cfg, strict=True)
 

@@ -30,3 +30,10 @@ run:
   name: {name}
   max_failures: 2
 """
+
+
+def with_benchmark(job: str, task: str) -> str:
+    """`job` with a local benchmark task (tools.demo.bench) in train.eval_tasks: scored
+    before step 1 and after the last. Apart from JOB, which the image test reuses in an
+    image that may not carry lm-eval."""
+    return job.replace("train:\n", f"train:\n  eval_tasks: [{task}]\n", 1)

@@ -11,7 +11,8 @@ def broken_promises(
 ) -> list[str]:
     """What the demo promises a new user, checked on what it left behind (CI runs `make
     demo` after `make test` and fails on a non-zero exit): every step once, a loss that
-    fell, the newest checkpoints only, an export that plain transformers loads, a plot."""
+    fell, the newest checkpoints only, an export that plain transformers loads, the benchmark
+    scored before and after training, a plot."""
     problems = []
     steps = [r["step"] for r in run["steps"]]
     if not steps or steps != list(range(1, steps[-1] + 1)):
@@ -38,6 +39,9 @@ def broken_promises(
             AutoModelForCausalLM.from_pretrained(model)
         except Exception as exc:  # any failure to load is the broken promise
             problems.append(f"the export {model} does not load with transformers: {exc}")
+    scored = [r["step"] for r in run.get("benchmarks") or []]
+    if scored[:1] != [0] or scored[-1:] != steps[-1:]:
+        problems.append(f"the benchmark was not scored before step 1 and at the last: {scored}")
     if not png.is_file() or png.read_bytes()[:4] != b"\x89PNG":
         problems.append(f"no PNG loss curve at {png}")
     return problems
