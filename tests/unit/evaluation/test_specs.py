@@ -86,3 +86,26 @@ def test_scores_are_named_per_task_and_metric_without_stderr():
         "eval/arc_easy/acc": 0.5,
         "eval/gsm8k/exact_match/strict-match": 0.25,
     }
+
+
+def test_lm_evals_seeding_leaves_the_runs_rng_streams_where_they_were():
+    import random
+
+    import numpy as np
+    import torch
+
+    from trainer.evaluation.tasks import rng_kept
+
+    def draws() -> tuple:
+        return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+    def seeded_run(evaluate: bool) -> tuple:
+        random.seed(1), np.random.seed(1), torch.manual_seed(1)
+        draws()
+        if evaluate:
+            with rng_kept():
+                random.seed(1234), np.random.seed(1234), torch.manual_seed(1234)  # lm-eval's
+                draws()
+        return draws()
+
+    assert seeded_run(evaluate=True) == seeded_run(evaluate=False)
