@@ -78,14 +78,16 @@ def check(specs: Sequence[str], strict: bool) -> list[str]:
         if strict or not is_path(spec) or Path(spec).exists():
             raise ValueError(f"train.eval_tasks: {err}")
         notes.append(f"train.eval_tasks: {spec}: not on this machine; checked on the cluster")
-    if not any(not is_path(s) for s in specs):
+    if not specs:
         return notes
     if importlib.util.find_spec("lm_eval") is None:
-        if strict:
+        if strict:  # the driver: its image is the workers'; they would fail at step 0
             raise ValueError(
                 "train.eval_tasks: lm-eval is not installed here; pip install 'raylift[train]'"
             )
-        return [*notes, "train.eval_tasks: task names not checked here (no lm-eval)"]
+        return [*notes, "train.eval_tasks: lm-eval not installed here; checked on the cluster"]
+    if not any(not is_path(s) for s in specs):
+        return notes
     unknown = unknown_names(specs)
     if unknown:
         raise ValueError(
