@@ -8,6 +8,17 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+UPDATE_TOKENS = "tokens/update"
+"""An objective whose step is not `train.tokens_per_step` tokens (online RL: prompts and
+sampled completions of any length) reports the real tokens its update ran forward and
+backward since the last report, summed over ranks; tokens_per_s and MFU then count those
+instead of global batch x block size (MFU stays 6·N per update token: generation's
+forwards are not in it, so an RL run's MFU is the update's share of the step's time)."""
+
+TABLES = "tables"
+"""An objective's rows for the trackers' tables ({name: [row, ...]}, rank 0's sample):
+sent to each tracker at the step and kept out of the metrics record."""
+
 
 class Objective(Protocol):
     name: str

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from trainer.config import JobConfig
+from trainer.objectives.base import TABLES, UPDATE_TOKENS
 from trainer.objectives.sft import RouterTerm
 from trainer.rollouts.logps import completion_logps
 
@@ -218,6 +219,7 @@ class GRPO:
                 stats["clip_low"],
                 stats["clip_high"],
                 stats["clip_region"],
+                attention.sum(),  # the update's real tokens: prompt + completion
             ]
         ).double()
         self._sums = sums if self._sums is None else self._sums + sums
@@ -241,22 +243,29 @@ class GRPO:
             sum(s.generate_s for s in stats),
             sum(s.reward_s for s in stats),
             sum(s.logps_s for s in stats),
+            sum(s.prompt_tokens for s in stats),
             *[sum(s.per_function[j] for s in stats) for j in range(len(names))],
-            *(self._sums.tolist() if self._sums is not None else [0.0] * 7),
+            *(self._sums.tolist() if self._sums is not None else [0.0] * 8),
         ]
         self._sums = None
         n, r, r2, length, truncated, rollout_kl, rollout_tokens, *rest = all_reduce(local)
-        workers, generate_s, reward_s, logps_s, *rest = rest
-        per_function, (tokens, kl, entropy, clip_n, low, high, region) = (
+        workers, generate_s, reward_s, logps_s, prompt_tokens, *rest = rest
+        per_function, (tokens, kl, entropy, clip_n, low, high, region, update_tokens) = (
             rest[: len(names)],
             rest[len(names) :],
         )
-        self._log_completions([x for s in stats for x in s.samples])
+        samples = [x for s in stats for x in s.samples]
+        self._log_completions(samples)
         aux = self.router.metrics(all_reduce)
+        if update_tokens:  # tokens_per_s and MFU count these (trainer.observability.steps)
+            aux[UPDATE_TOKENS] = update_tokens
+        if samples and self.rt is not None and self.rt.rank == 0:
+            aux[TABLES] = {"completions": completion_rows(samples, names)}
         if not n:
             return aux
         out = {
             **aux,
+            "tokens/rollout": prompt_tokens + length,
             "reward": r / n,
             "reward_std": max(r2 - r * r / n, 0.0) ** 0.5 / max(n - 1, 1) ** 0.5,
             "completions/mean_length": length / n,
@@ -292,3 +301,18 @@ class GRPO:
         body = "".join(json.dumps(s) + "\n" for s in self._logged)
         with loc.fs.open_output_stream(loc.path) as f:
             f.write(body.encode())
+
+
+def completion_rows(samples: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """completions.jsonl's samples as a tracker table's flat rows: a chat prompt as its
+    JSON text, each reward function's value in a column of its own (`reward/<name>`)."""
+    import json
+
+    rows = []
+    for x in samples:
+        prompt = x["prompt"] if isinstance(x["prompt"], str) else json.dumps(x["prompt"])
+        row = {k: x[k] for k in ("step", "rank")}
+        row.update(prompt=prompt, completion=x["completion"], reward=float(x["reward"]))
+        row.update({f"reward/{k}": float(x["rewards"][k]) for k in names})
+        rows.append(row)
+    return rows

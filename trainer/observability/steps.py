@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from trainer.distributed.hostsync import read_floats
+from trainer.objectives.base import TABLES, UPDATE_TOKENS
 from trainer.observability.metrics import MetricsFile, mfu
 
 log = logging.getLogger("trainer")
@@ -85,7 +86,8 @@ class StepReport:
         self.ray_due = due > 0 and uploading == 0
         loss = loss_sum / rt.world_size
         now = time.perf_counter()
-        tps = self.window_tokens / max(now - self.window_start, 1e-9)
+        window_s = max(now - self.window_start, 1e-9)
+        tps = self.window_tokens / window_s
         self.window_start, self.window_tokens = now, 0
         done = step + 1
         metrics: dict[str, Any] = {
@@ -101,12 +103,18 @@ class StepReport:
             "mfu": mfu(self.n_params, tps / rt.world_size, self.peak),
         }
         metrics.update(extra())
+        tables = metrics.pop(TABLES, None) or {}
+        if UPDATE_TOKENS in metrics:  # the objective counts its own tokens (online RL)
+            tps = metrics["tokens_per_s"] = metrics[UPDATE_TOKENS] / window_s
+            metrics["mfu"] = mfu(self.n_params, tps / rt.world_size, self.peak)
         self.last = metrics
         if self.metrics_file is not None:
             self.metrics_file.write(
                 {"event": "train", "attempt": self.metrics_file.attempt, **metrics}
             )
         self.tracker.metrics(metrics)
+        for name, rows in tables.items():
+            self.tracker.table(name, done, rows)
         if rt.rank == 0:
             log.info(
                 "step %d/%d loss %.4f lr %.3g tokens/s %.0f mfu %s%s",

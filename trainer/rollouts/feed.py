@@ -46,6 +46,7 @@ class RolloutStats:
     reward_sq: float = 0.0
     per_function: list[float] = field(default_factory=list)
     length_sum: float = 0.0
+    prompt_tokens: float = 0.0  # each completion's prompt, counted once per completion
     truncated: float = 0.0
     kl_sum: float = 0.0  # rloo with beta > 0: sum of (sampling - reference) log-probs
     kl_tokens: float = 0.0
@@ -164,6 +165,7 @@ class RolloutFeed:
         if self.cfg.train.objective == "rloo":
             old = (old * mask).sum(1, keepdims=True).astype(np.float32)
         self._record(step, values, reward, completion_ids, mask, prompts, texts, kl)
+        self.stats[-1].prompt_tokens = float(g * sum(len(p) for p in prompt_ids))
         self.stats[-1].generate_s, self.stats[-1].reward_s, self.stats[-1].logps_s = (
             t1 - t0,
             t2 - t1,

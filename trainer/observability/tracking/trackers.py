@@ -9,6 +9,7 @@ next attempt starts, where the tracker can say which steps it has (MLflow).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -95,6 +96,10 @@ class NullTracker:
 
     def events(self, records: list[dict[str, Any]]) -> None:
         pass
+
+    def table(self, name: str, step: int, rows: list[dict[str, Any]]) -> None:
+        """Rows for a tracker's table at a step (RL's sampled completions); trackers
+        without tables ignore them (the rows are in the run folder too)."""
 
     def flush(self) -> None:
         pass
@@ -225,6 +230,12 @@ class Tracker(NullTracker):
     def tag(self, key: str, value: str) -> None:
         for name, backend in self.backends.items():
             self.senders[name].put("tag", lambda be=backend: be.tag(key, value))
+
+    def table(self, name: str, step: int, rows: list[dict[str, Any]]) -> None:
+        for tracker, backend in self.backends.items():
+            if rows and hasattr(backend, "table"):
+                call = functools.partial(backend.table, name, step, rows)
+                self.senders[tracker].put("table", call, points=0)
 
     def events(self, records: list[dict[str, Any]]) -> None:
         """Journal events (restarts, spot notices, failures, checkpoints) a tracker has not
