@@ -1,7 +1,8 @@
 """Preference tuning through the production path: one Ray job, 2 workers, DPO on the tiny
 Llama with its reference log-probs precomputed before step 1, on a synthetic set the model
 can learn (the chosen answer states "The answer is N.", the rejected one hedges), in
-Anthropic HH-RLHF's text shape: the prompt implicit in both answers.
+Anthropic HH-RLHF's text shape (the prompt implicit in both answers) and, a fifth of it,
+UltraFeedback's (a string prompt, the answers conversations under a chat template).
 
 The job is killed twice: once in the reference pass (the group restarts and runs the pass
 again) and once in training between checkpoints (it reads the stored reference back
@@ -11,6 +12,7 @@ a plain Hugging Face folder, is scored on held-out pairs against the base model.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,7 @@ import torch
 from tests.support.jobs import write_job
 from tests.support.preference import write_pairs
 from tests.support.ray_jobs import history, retrained, run_to_end
+from tests.unit.data.test_shapes import TEMPLATE
 from trainer.data.tokenize import Settings, prepare
 from trainer.objectives.losses import sequence_logps
 from trainer.objectives.pairs import PairBlocks, data_options
@@ -51,15 +54,45 @@ def _held_out_accuracy(cfg, tiny, export: Path, pairs_file: Path, tmp: Path) -> 
     return float((ratio[:n] > ratio[n:]).float().mean())
 
 
+def _ultrafeedback(path: Path, rows: int) -> Path:
+    """UltraFeedback-binarized's shape: a string prompt, and chosen/rejected as whole
+    conversations that repeat it as their user turn."""
+    chat = write_pairs(path.with_suffix(".chat"), rows, seed=2, chat=True).read_text()
+    with open(path, "w") as f:
+        for row in map(json.loads, chat.splitlines()):
+            (user,) = row["prompt"]
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": user["content"],
+                        "chosen": [user, *row["chosen"]],
+                        "rejected": [user, *row["rejected"]],
+                    }
+                )
+                + "\n"
+            )
+    path.with_suffix(".chat").unlink()
+    return path
+
+
 def test_dpo_learns_preferences_and_survives_kills(ray_cluster, tiny, tmp_path):
-    train = write_pairs(tmp_path / "pairs.jsonl", 320, seed=1, shape="hh")
+    # One source, two files: HH-RLHF text rows and UltraFeedback rows (rendered by a chat
+    # template), 320 pairs in all.
+    train = tmp_path / "pairs"
+    write_pairs(train / "hh.jsonl", 256, seed=1, shape="hh")
+    _ultrafeedback(train / "uf.jsonl", 64)
     held = write_pairs(tmp_path / "held.jsonl", 64, seed=99, shape="hh")
     path = write_job(
         tiny,
         tmp_path,
         "dpo",
         model={"special_tokens": None},
-        data={"train_file": str(train), "eval_file": None, "block_size": BLOCK},
+        data={
+            "train_file": str(train),
+            "eval_file": None,
+            "block_size": BLOCK,
+            "chat_template": TEMPLATE,
+        },
         train={
             "objective": "dpo",
             "micro_batch_size": 4,
@@ -71,7 +104,10 @@ def test_dpo_learns_preferences_and_survives_kills(ray_cluster, tiny, tmp_path):
     )
     env = {"RAYLIFT_FAULT_KILL_IN_REFERENCE": "5", "RAYLIFT_FAULT_KILL_AFTER_STEP": "11"}
     cfg, _, logs = run_to_end(ray_cluster, path, env=env)
-    assert "pairs read as implicit prompt (HH-RLHF) (320)" in logs
+    assert "hh.jsonl: pairs read as implicit prompt (HH-RLHF) (256)" in logs
+    assert (
+        "uf.jsonl: pairs read as string prompt, conversational answers (UltraFeedback) (64)" in logs
+    )
     assert "killing rank 1 in the reference pass" in logs
     # Attempt 1 died in the pass, attempt 2 ran it, attempt 3 (the resume) read the file.
     assert logs.count("reference pass: 320 pairs in") == 1, logs[-4000:]
