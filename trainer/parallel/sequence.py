@@ -29,7 +29,8 @@ Why not DeepSpeed's `UlyssesSPAttentionHF` itself: it drops every 4-D mask (it r
 flash-attention's varlen detection from position ids), so packed documents under sdpa
 or eager would attend across documents; it keeps its groups in a module-global `mpu` and
 replaces the sdpa entry of transformers' registry for every model in the process. The
-exchange here is torch's differentiable `all_to_all_single`, which gloo runs on CPU.
+exchange here is torch's differentiable functional `all_to_all_single_autograd`, which
+gloo runs on CPU.
 
 The loss is exact by construction: each worker's loss is its own targets' token sum over
 the step's divisor (the loop's global target count / world, counted from `count`, i.e.
@@ -142,10 +143,11 @@ def shard_batch(
 
 
 def _exchange(t: torch.Tensor, group: Any) -> torch.Tensor:
-    """all_to_all over dim 0 (one slice per worker), differentiable."""
-    from torch.distributed.nn.functional import all_to_all_single
+    """all_to_all over dim 0 (one slice per worker), differentiable: torch's functional
+    collective (torch.distributed.nn.functional's is deprecated in favour of it)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-    return all_to_all_single(torch.empty_like(t), t, group=group)
+    return all_to_all_single_autograd(t.contiguous(), None, None, group)
 
 
 def seq_to_heads(t: torch.Tensor, sg: SequenceGroup) -> torch.Tensor:
