@@ -5,7 +5,8 @@ ranks (tests/bench/sp_worker.py, the real DDP strategy with `strategy.sp`). Each
 peak resident memory above its own before the step (gradients already allocated by a
 warm-up step) is its activations and the step's transients; the planner's prediction
 beside it is trainer.planner.memory.activation_bytes with the same Setup (its share of
-the tokens plus the all-to-all's buffers). Target: within 10 % for each sp.
+the tokens; without checkpointing, the all-to-all's buffers only where they exceed the
+loss's). Target: within 10 % for each sp.
 
 Sizes: RAYLIFT_BENCH_SP_TOKENS (the sequence), RAYLIFT_BENCH_REPEATS (rounds). Marked
 bench_only (three multi-process runs): `make bench` runs it, CI does not."""

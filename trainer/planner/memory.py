@@ -135,8 +135,12 @@ def activation_bytes(shape: ModelShape, s: Setup, checkpointing: bool) -> float:
         per_layer += shape.heads * s.block_size * (4 + c + c * bool(shape.attn_softcap))
     head = (4 + r) * h + r * h
     layers = shape.layers * r * h + per_layer if checkpointing else shape.layers * per_layer
-    exchange = sequence.exchange_bytes(shape, s)  # Ulysses' all-to-all, one layer at a time
-    return float(t * (layers + head) + logits_bytes(shape, s, t) + exchange)
+    # Ulysses' all-to-all buffers live inside one layer's attention: without checkpointing
+    # the peak is at the loss, so they count where they exceed its buffers; with it, a
+    # layer rebuilt in backward exchanges again on top of everything counted here.
+    loss, exchange = logits_bytes(shape, s, t), sequence.exchange_bytes(shape, s)
+    transient = loss + exchange if checkpointing else max(loss, exchange)
+    return float(t * (layers + head) + transient)
 
 
 CHUNKED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")

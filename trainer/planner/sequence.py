@@ -8,8 +8,14 @@ saves for its backward (q, k, v of heads / sp over the whole sequence) has the s
 as the share's q, k, v had: the per-layer count does not change, only its token count.
 What is new is the exchange itself: one layer at a time, the contiguous send buffer and
 the receive buffer of q, k, v going in and of the output coming back, each c · (q_dim +
-2 kv_dim) or c · q_dim per local token. With eager attention, each rank's fp32 scores are
-heads / sp × block_size² per row: per local token, heads × block_size, as before.
+2 kv_dim) or c · q_dim per local token. They live inside one layer's attention. Without
+activation checkpointing the step's peak is at the loss (every layer's activations saved,
+the loss's buffers on top), so memory.activation_bytes counts the larger of the two, not
+their sum: measured (tests/bench/test_bench_sp.py, 4096 tokens, CPU) the sum put sp 4 13 %
+above the peak, the larger 9 %. With checkpointing a layer rebuilt in backward exchanges
+again beside the rebuilt layer, and both are counted (not measured yet). With eager
+attention, each rank's fp32 scores are heads / sp × block_size² per row: per local token,
+heads × block_size, as before.
 
 Pure Python (the laptop's planner): no torch.
 """

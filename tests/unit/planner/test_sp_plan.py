@@ -1,5 +1,6 @@
 """The planner under sequence parallelism (trainer.planner.sequence): each rank's
-activations are its share of the tokens plus the all-to-all's buffers, `raylift plan`
+activations are its share of the tokens plus, with checkpointing, the all-to-all's
+buffers (without it, those only where they exceed the loss's), `raylift plan`
 names the smallest sp that fits when the job leaves it unset, and docs/planning.md's
 long-context table is the planner's (tools/docgen/spfigures.py)."""
 
