@@ -48,9 +48,14 @@ class PairSettings(Settings):
     max_prompt_tokens: int = 512
     unpaired: bool = False  # KTO's prompt/completion/label rows
 
+    PAIR_VERSION = 2
+    """Bumped when a pair cache's contents change without its settings: 2, the manifest
+    records trained_tokens (a cache written before held 0, and `raylift data` read it)."""
+
     def key(self) -> str:
         kind = "kto" if self.unpaired else "pairs-trl"
-        return f"{kind}|block={self.block_size}|prompt={self.max_prompt_tokens}|" + super().key()
+        mine = f"{kind}|p{self.PAIR_VERSION}|block={self.block_size}"
+        return f"{mine}|prompt={self.max_prompt_tokens}|" + super().key()
 
 
 def pair_settings(cfg: JobConfig, base: Settings) -> PairSettings:
