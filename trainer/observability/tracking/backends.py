@@ -148,6 +148,18 @@ class MlflowBackend:
         key = f"raylift.event.{int(when * 1000)}"
         self.client.set_tag(self.run_id, key, json.dumps(fields)[:5000])
 
+    def table(self, name: str, step: int, rows: list[dict[str, Any]]) -> None:
+        """One JSON table artifact per logged step (`<name>/step_<step>.json`, MLflow's
+        `log_table` format, which its UI shows as a table). `log_table` appends to a file
+        that exists, so a step retrained after a restart keeps the table the lost attempt
+        logged, as its metrics do, instead of holding its rows twice."""
+        path = f"{name}/step_{step:08d}.json"
+        if any(f.path == path for f in self.client.list_artifacts(self.run_id, name)):
+            return
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        data = {c: [r.get(c) for r in rows] for c in columns}
+        self.client.log_table(self.run_id, data=data, artifact_file=path)
+
     def close(self, status: str) -> None:
         if self.client is not None and self.run_id is not None:
             self.client.set_terminated(self.run_id, "FINISHED" if status == "finished" else status)
@@ -287,6 +299,17 @@ class WandbBackend:
 
     def event(self, step: int, name: str, fields: dict[str, Any], when: float) -> None:
         self.run.summary[f"event/{name}"] = {**fields, "time": when}
+
+    def table(self, name: str, step: int, rows: list[dict[str, Any]]) -> None:
+        """A wandb.Table at the step (its media file in the run folder, its rows in the
+        UI); a step from before this attempt's start is skipped, as for metrics."""
+        import wandb
+
+        if step <= self.start:
+            return
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        data = [[r.get(c) for c in columns] for r in rows]
+        self.run.log({name: wandb.Table(columns=columns, data=data)}, step=step)
 
     def close(self, status: str) -> None:
         if self.run is not None:
