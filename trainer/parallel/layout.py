@@ -16,19 +16,7 @@ def check_model_layout(strategy: Any, mcfg: dict[str, Any], src: str) -> None:
     if sp > 1:
         check_sequence_heads(sp, mcfg, src)
     if tp > 1:
-        heads = mcfg.get("num_attention_heads")
-        kv = mcfg.get("num_key_value_heads") or heads
-        if not isinstance(heads, int):
-            raise ConfigError(
-                f"strategy.tp: {src} has no num_attention_heads; tensor parallelism needs a "
-                "decoder with attention heads (Llama, Mistral, Qwen2 families)"
-            )
-        for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
-            if n % tp:
-                raise ConfigError(
-                    f"strategy.tp: {tp} does not divide the model's {what} {n} ({src}); "
-                    f"use a divisor of {n}"
-                )
+        _check_heads("tp", "tensor parallelism", tp, mcfg, src, kv_first=False)
         inter = mcfg.get("intermediate_size")
         if isinstance(inter, int) and inter % tp:
             raise ConfigError(
@@ -58,21 +46,30 @@ def check_sequence_heads(sp: int, mcfg: dict[str, Any], src: str) -> None:
     """Ulysses hands each of the sp workers whole heads (and their KV heads) of the whole
     sequence, so sp must divide both; a mixture-of-experts router's aux loss would see
     only a worker's share of the tokens, so those models are refused for now."""
-    heads = mcfg.get("num_attention_heads")
-    kv = mcfg.get("num_key_value_heads") or heads
-    if not isinstance(heads, int):
-        raise ConfigError(
-            f"strategy.sp: {src} has no num_attention_heads; sequence parallelism needs a "
-            "decoder with attention heads (Llama, Mistral, Qwen2 families)"
-        )
-    for what, n in (("num_key_value_heads", kv), ("num_attention_heads", heads)):
-        if n % sp:
-            raise ConfigError(
-                f"strategy.sp: {sp} does not divide the model's {what} {n} ({src}); use a "
-                f"divisor of {n}"
-            )
+    _check_heads("sp", "sequence parallelism", sp, mcfg, src, kv_first=True)
     if any(k in mcfg for k in ("num_experts", "num_local_experts")):
         raise ConfigError(
             f"strategy.sp: {sp} with a mixture-of-experts model ({src}) is not in this build "
             "(the router's aux loss would see one worker's share of the tokens); use sp: 1"
         )
+
+
+def _check_heads(
+    field: str, what: str, ways: int, mcfg: dict[str, Any], src: str, kv_first: bool
+) -> None:
+    """Both tp and sp hand each worker whole attention heads and whole KV heads: `ways`
+    must divide both (sp names the KV heads first: they are the tighter bound)."""
+    heads = mcfg.get("num_attention_heads")
+    kv = mcfg.get("num_key_value_heads") or heads
+    if not isinstance(heads, int):
+        raise ConfigError(
+            f"strategy.{field}: {src} has no num_attention_heads; {what} needs a "
+            "decoder with attention heads (Llama, Mistral, Qwen2 families)"
+        )
+    pairs = [("num_attention_heads", heads), ("num_key_value_heads", kv)]
+    for name, n in reversed(pairs) if kv_first else pairs:
+        if n % ways:
+            raise ConfigError(
+                f"strategy.{field}: {ways} does not divide the model's {name} {n} ({src}); "
+                f"use a divisor of {n}"
+            )
