@@ -177,7 +177,10 @@ def read_progress(meta: dict[str, str], total: int | None = None) -> Progress:
     last = steps[-1]
     eta = None
     tps = last.get("tokens_per_s")
-    if total and tps and last.get("tokens_seen"):
+    if total and "tokens/update" in last and last.get("step_time_s"):
+        # online RL: tokens_per_s counts the update's real tokens, tokens_seen does not
+        eta = max(total - last["step"], 0) * last["step_time_s"]
+    elif total and tps and last.get("tokens_seen"):
         per_step = last["tokens_seen"] / last["step"]
         eta = max(total - last["step"], 0) * per_step / tps
     return Progress(
@@ -190,7 +193,7 @@ def read_progress(meta: dict[str, str], total: int | None = None) -> Progress:
         lost_steps=lost,
         memory=memory_line(last),
         slowest=slowest_line(steps),
-        rewards=rewards_line(last),
+        rewards=rewards_line(last) or reward_line(steps),
         benchmarks=benchmarks_line(steps),
     )
 
@@ -205,6 +208,22 @@ def rewards_line(record: dict[str, Any]) -> str | None:
         f"{record['rewards/margins']:.3f} (chosen {record['rewards/chosen']:.3f}, "
         f"rejected {record['rewards/rejected']:.3f})"
     )
+
+
+def reward_line(steps: list[dict[str, Any]]) -> str | None:
+    """An online RL run's newest rollout (TRL's names: reward, reward_std, each function's
+    rewards/<name>/mean) and its step: a step that reused an earlier rollout
+    (num_iterations > 1) has none of its own."""
+    scored = next((r for r in reversed(steps) if "reward" in r), None)
+    if scored is None:
+        return None
+    parts = [f"reward {scored['reward']:.4f} ± {scored.get('reward_std', 0.0):.4f}"]
+    parts += [
+        f"{k[8:-5]} {v:.4f}"
+        for k, v in sorted(scored.items())
+        if k.startswith("rewards/") and k.endswith("/mean")
+    ]
+    return f"{', '.join(parts)} (step {scored['step']})"
 
 
 def benchmarks_line(steps: list[dict[str, Any]]) -> str | None:

@@ -1,6 +1,6 @@
-"""`raylift report`'s PNG: loss (and eval loss, and a preference objective's rewards),
-throughput, peak memory per worker, the step-time breakdown, and where the paid
-accelerator time went, in one figure drawn from `tools.report.run.load_run`'s record."""
+"""`raylift report`'s PNG: loss (and eval loss, a preference objective's rewards, an RL
+run's reward), throughput, peak memory per worker, the step-time breakdown, and where the
+paid accelerator time went, in one figure drawn from `tools.report.run.load_run`'s record."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def plot(run: dict[str, Any], out: Path, title: str) -> Path:
     ax1.set_ylabel("loss")
     ax1.set_title(title)
     _plot_rewards(ax1, steps)
+    _plot_rl_reward(ax1, steps)
     _plot_benchmarks(ax1, run.get("benchmarks") or [])
     ax1.legend()
     ax1.grid(alpha=0.3)
@@ -67,6 +68,25 @@ def _plot_rewards(ax: Any, steps: list[dict[str, Any]]) -> None:
     twin.set_ylim(0, 1.05)
     twin.set_ylabel("rewards/accuracies")
     twin.legend(loc="center right")
+
+
+def _plot_rl_reward(ax: Any, steps: list[dict[str, Any]]) -> Any:
+    """An online RL run's mean reward beside its loss (which sits near 0 by construction),
+    with reward_std as a band: the curve RL users watch. Returns the reward axis."""
+    rows = [r for r in steps if "reward" in r]
+    if not rows:
+        return None
+    twin = ax.twinx()
+    x = [r["step"] for r in rows]
+    mean = [r["reward"] for r in rows]
+    std = [r.get("reward_std", 0.0) for r in rows]
+    twin.plot(x, mean, color="tab:red", label="reward")
+    low = [m - s for m, s in zip(mean, std, strict=True)]
+    high = [m + s for m, s in zip(mean, std, strict=True)]
+    twin.fill_between(x, low, high, color="tab:red", alpha=0.15, label="± reward_std")
+    twin.set_ylabel("reward")
+    twin.legend(loc="upper right")
+    return twin
 
 
 def _plot_benchmarks(ax: Any, rows: list[dict[str, Any]]) -> None:

@@ -63,6 +63,12 @@ def summary_lines(run: dict[str, Any]) -> list[str]:
     lines += benchmark_lines(run.get("benchmarks") or [])
     if rewards_line(last):
         lines.append(f"rewards (last step): {rewards_line(last)}")
+    rl = [r for r in steps if "reward" in r]  # an online RL run's rollouts
+    if rl:
+        lines.append(
+            f"reward: {rl[0]['reward']:.4f} (step {rl[0]['step']}) → "
+            f"{rl[-1]['reward']:.4f} (step {rl[-1]['step']})"
+        )
     mem, slow = memory_line(last), slowest_line(steps)
     if mem:
         lines.append(f"fullest worker: {mem}")
