@@ -1,4 +1,5 @@
 """`python -m trainer run|validate|plan|data job.yaml [--set section.field=value ...]`,
+`python -m trainer eval RUN --tasks ...` (a run's checkpoints scored, trainer.evaluation),
 `python -m trainer doctor` (the cluster check, trainer.runtime.doctor), and `python -m trainer
 agent` (the spot-notice node agent, trainer.resilience.agent).
 
@@ -63,6 +64,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--endpoint-override", help="S3-compatible endpoint for --bucket")
     s.add_argument("--region", help="S3 region for --bucket")
     s.add_argument("--debug", action="store_true", help="show tracebacks")
+    s = sub.add_parser("eval", help="score a run's checkpoints with lm-eval (the eval job)")
+    s.add_argument("run", help="the run folder (storage.path/run.name), local or s3://")
+    s.add_argument("--tasks", nargs="+", required=True, help="lm-eval task names or YAML paths")
+    s.add_argument("--steps", type=int, nargs="+", default=None, help="only these steps")
+    s.add_argument("--limit", type=int, default=None, help="examples per task (the first N)")
+    s.add_argument("--batch-size", type=int, default=8)
+    s.add_argument("--endpoint-override", help="S3-compatible endpoint of the run's storage")
+    s.add_argument("--region", help="S3 region of the run's storage")
+    s.add_argument("--debug", action="store_true", help="show tracebacks")
     from trainer.resilience import agent
 
     agent.add_arguments(sub.add_parser("agent", help="the spot-notice node agent (one per node)"))
@@ -88,6 +98,24 @@ def main(argv: list[str] | None = None) -> int:
                     "region": args.region,
                 }
             )
+        if args.command == "eval":
+            from trainer.checkpoint.manager import completeness, list_checkpoints
+            from trainer.evaluation.offline import score_run
+
+            def complete(run: object) -> list:
+                return [(s, c) for s, c in list_checkpoints(run) if completeness(c)[0]]
+
+            score_run(
+                args.run,
+                args.tasks,
+                complete,
+                args.steps,
+                args.limit,
+                args.batch_size,
+                args.endpoint_override,
+                args.region,
+            )
+            return 0
         if args.command == "data":
             from trainer.data.preview import run as data_preview
 

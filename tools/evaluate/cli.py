@@ -1,17 +1,23 @@
-"""`raylift eval RUN_OR_EXPORT --tasks T ...`: lm-evaluation-harness scores of an export
-folder, or of every export of a run (or the chosen steps), on this machine, with
-lm-eval's own Hugging Face model: the numbers a team compares with the published ones.
-A table (markdown and JSON) and a plot of each score against the step are written."""
+"""`raylift eval RUN_OR_EXPORT --tasks T ...`: lm-evaluation-harness scores with lm-eval's
+own Hugging Face model: the numbers a team compares with the published ones. A table
+(markdown and JSON) and a plot of each score against the step are written.
+
+A run folder (local or s3://) with a Ray cluster in reach (--address, RAY_ADDRESS, the
+infra stack, the local cluster: as `raylift run` finds one) is scored as a Ray job over
+its checkpoints (tools.evaluate.remote), into RUN/eval/. An export folder, or a run
+without a cluster or with --local, is scored on this machine over its exports."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from pathlib import Path
 
-from tools.evaluate import exports, table
+from tools.evaluate import exports, remote
 from trainer.errors import UserError
+from trainer.evaluation import table
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +30,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, nargs="+", default=None, help="only these steps")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", default=None, help="cpu, cuda (default: cuda if there is one)")
-    p.add_argument("--out", type=Path, default=None, help="default: TARGET/eval")
+    p.add_argument("--out", type=Path, default=None, help="default: TARGET/eval (local only)")
+    p.add_argument("--address", default=None, help="the Ray cluster's dashboard address")
+    p.add_argument("--local", action="store_true", help="score the run's exports here")
+    p.add_argument("--endpoint-override", help="S3-compatible endpoint of the run's storage")
+    p.add_argument("--region", help="S3 region of the run's storage")
     return p
 
 
@@ -34,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.evaluation.specs import check
 
         check(args.tasks, strict=True)
+        if not args.local and remote.is_run(args.target):
+            with contextlib.ExitStack() as stack:
+                target = remote.cluster_target(args.address, stack)
+                if target is not None:
+                    return remote.submit_eval(args, target)
         found = exports.find(args.target, args.steps)
     except (UserError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

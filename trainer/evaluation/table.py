@@ -1,5 +1,6 @@
-"""`raylift eval`'s outputs: a row per scored model (its step, its folder, its scores),
-written as JSON and as a markdown table, and a plot of each score against the step."""
+"""`raylift eval`'s outputs, locally or from its Ray job (trainer.evaluation.offline): a
+row per scored model (its step, its folder, its scores), written as JSON and as a markdown
+table, and a plot of each score against the step."""
 
 from __future__ import annotations
 
