@@ -253,14 +253,21 @@ def ray_cluster():
     """Three Ray nodes on 127.0.0.1: a head with no CPUs (only the job driver and the
     Train controller run there), a worker node labelled large_cpu_mem=true, and a plain
     worker node — so a 2-worker run spans two nodes and rank 0 has a labelled home."""
+    from tests.support.cluster_start import start_with_retries
     from tools.localcluster import LocalCluster
 
-    cluster = LocalCluster(num_cpus=0)
-    cluster.start()
-    try:
+    def make(built: list[Any]) -> LocalCluster:
+        cluster = LocalCluster(num_cpus=0)
+        built.append(cluster)
+        cluster.start()
         cluster.add_node(num_cpus=1, labels={"large_cpu_mem": "true"})
         cluster.add_node(num_cpus=1, labels={"pool": "cpu"})
         cluster.wait_nodes(3)
+        return cluster
+
+    # a loaded machine's raylet can miss Ray's fixed 30 s to register: a fresh cluster
+    cluster = start_with_retries(make, lambda c: c.stop())
+    try:
         os.environ["RAY_AUTH_TOKEN"] = cluster.token  # what tools/submit.py reads
         yield cluster
     finally:
