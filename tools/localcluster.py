@@ -44,6 +44,29 @@ _SESSION_SUFFIX = len(
 )
 
 
+RAY_START_TIMEOUT = "timed out during startup"
+"""What Ray's node start raises when a raylet did not register within its fixed 30 s."""
+NODE_TRIES = 3
+NODE_MARK_ENV = "RAYLIFT_LOCAL_NODE"
+"""Set in one node start's raylet environment (its workers and agents inherit it), so that
+a start that failed can be ended without touching any other node."""
+
+
+def kill_marked(mark: str) -> int:
+    """SIGKILL every process whose environment has NODE_MARK_ENV=mark; returns how many."""
+    import psutil
+
+    needle = f"{NODE_MARK_ENV}={mark}"
+    ended = 0
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            env = p.environ()
+            if f"{NODE_MARK_ENV}={env.get(NODE_MARK_ENV)}" == needle and p.pid != os.getpid():
+                p.kill()
+                ended += 1
+    return ended
+
+
 def _short_temp_root() -> str:
     """The cluster's folder lives under TMPDIR (so a fresh TMPDIR means a fresh cluster),
     unless Ray's deepest socket path inside it would pass the AF_UNIX limit: then /tmp."""
@@ -184,17 +207,39 @@ class LocalCluster:
         env: dict[str, str] | None = None,
     ) -> Any:
         """`env`: variables only this node's raylet (and so its workers) sees, e.g. to give
-        one node a credential or a mount path the others do not have."""
-        node = self._cluster.add_node(
-            node_ip_address=HOST,
-            num_cpus=num_cpus,
-            labels=dict(labels or {}),
-            resources=dict(resources or {}),
-            object_store_memory=128 * 1024 * 1024,
-            env_vars=dict(env or {}),
-        )
-        self.worker_nodes.append((node, dict(labels or {})))
-        return node
+        one node a credential or a mount path the others do not have.
+
+        Ray gives a new raylet a fixed 30 s to register (ray/_private/node.py, no setting);
+        on a loaded 2-core machine a node added in the middle of a drill has missed it. A
+        start that misses it is ended whole, every process that carries its mark (the
+        raylet and what it spawned), so no late registration adds a node twice; then it
+        is started again, NODE_TRIES times at most. Any other error is raised at once."""
+        for attempt in range(1, NODE_TRIES + 1):
+            mark = secrets.token_hex(8)
+            try:
+                node = self._cluster.add_node(
+                    node_ip_address=HOST,
+                    num_cpus=num_cpus,
+                    labels=dict(labels or {}),
+                    resources=dict(resources or {}),
+                    object_store_memory=128 * 1024 * 1024,
+                    env_vars={**(env or {}), NODE_MARK_ENV: mark},
+                )
+            except Exception as exc:
+                if RAY_START_TIMEOUT not in str(exc) or attempt == NODE_TRIES:
+                    raise
+                ended = kill_marked(mark)
+                log.warning(
+                    "Ray node start %d/%d missed Ray's 30 s to register; ended its %d "
+                    "processes, starting it again",
+                    attempt,
+                    NODE_TRIES,
+                    ended,
+                )
+                continue
+            self.worker_nodes.append((node, dict(labels or {})))
+            return node
+        raise AssertionError("NODE_TRIES must be at least 1")
 
     def kill_node(self, node: Any) -> None:
         """A node lost at once (its raylet and every worker on it), as a reclaimed spot

@@ -11,10 +11,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-log = logging.getLogger(__name__)
+from tools.localcluster import RAY_START_TIMEOUT
 
-RAY_START_TIMEOUT = "timed out during startup"
-"""What Ray's node start raises when the raylet did not register in its 30 s."""
+log = logging.getLogger(__name__)
 
 
 def start_with_retries(
