@@ -24,6 +24,7 @@ import torch
 from trainer.config import JobConfig
 from trainer.objectives.base import TABLES, UPDATE_TOKENS
 from trainer.objectives.sft import RouterTerm
+from trainer.rollouts.drills import Drills
 from trainer.rollouts.logps import completion_logps
 
 BATCH = ("ids", "attention", "loss_mask", "advantages", "old", "ref")
@@ -151,6 +152,9 @@ class GRPO:
         self._sums: torch.Tensor | None = None
         self._logged: list[dict[str, Any]] = []
         self.router = RouterTerm()
+        self.model: Any = None
+        self.drills: Any = Drills()  # the fault drills' hooks, no-ops unless armed
+        self._micro = (-1, 0)  # (step, micro batches of it run so far)
 
     def open_feed(self, train: list[str], eval_: list[str], rank: int, world: int) -> Any:
         from trainer.rollouts.feed import RolloutFeed
@@ -163,8 +167,18 @@ class GRPO:
         """The rollout's engine, tokenizer, rewards and reference, bound to the feed."""
         from trainer.rollouts.setup import bind_feed
 
-        self.rt = rt
+        self.rt, self.model = rt, strategy.model
         bind_feed(self.cfg, strategy, feed)
+
+    def arm_drills(self, drills: Any) -> None:
+        """trainer.resilience.faults' drills inside the rollout and the update."""
+        self.drills = self.feed.drills = drills
+
+    def checkpoint_parts(self) -> dict[str, Any]:
+        """The rollout in hand when a checkpoint falls inside a num_iterations group."""
+        from trainer.rollouts.state import RolloutPart
+
+        return {"rollout": RolloutPart(self.feed)}
 
     def count(self, batch: tuple[np.ndarray, ...]) -> float:
         return count_items(self.s.loss_type, batch[2])
@@ -199,6 +213,9 @@ class GRPO:
         **kw: Any,
     ) -> torch.Tensor:
         assert attention is not None and advantages is not None
+        step, done = self._micro if self._micro[0] == self.feed.step else (self.feed.step, 0)
+        self._micro = (step, done + 1)
+        self.drills.in_update(step + 1, done, self.feed.micro_count)
         with self.router.recording(model) as routed:  # a mixture of experts' aux loss
             logps, entropy = completion_logps(
                 model, x, attention, y.shape[1], self.s.temperature, entropy=True
@@ -256,7 +273,8 @@ class GRPO:
         )
         samples = [x for s in stats for x in s.samples]
         self._log_completions(samples)
-        aux = self.router.metrics(all_reduce)
+        aux: dict[str, Any] = self.router.metrics(all_reduce)
+        aux.update(self.drills.digests(self.model, [s.completions_sha for s in stats]))
         if update_tokens:  # tokens_per_s and MFU count these (trainer.observability.steps)
             aux[UPDATE_TOKENS] = update_tokens
         if samples and self.rt is not None and self.rt.rank == 0:

@@ -42,7 +42,7 @@ from trainer.observability.metrics import (
 from trainer.observability.steps import StepReport
 from trainer.observability.tracking.trackers import open_tracker
 from trainer.observability.workerstats import WorkerStats
-from trainer.resilience import cadence_setup
+from trainer.resilience import cadence_setup, faults
 from trainer.resilience import journal as journal_mod
 
 if TYPE_CHECKING:
@@ -60,8 +60,9 @@ def checkpoint_manager(
     ts: TrainState,
     past_runs: dict[str, Any] | None = None,
 ) -> CheckpointManager:
-    """The run's checkpoints: the strategy's state, the scheduler and RNG, and the train
-    state, saved every checkpoint.every_steps (never in a smoke test)."""
+    """The run's checkpoints: the strategy's state, the scheduler and RNG, the train state,
+    and the objective's own parts (online RL's rollout inside a num_iterations group),
+    saved every checkpoint.every_steps (never in a smoke test)."""
     return CheckpointManager(
         Identity(
             strategy=strategy.name,
@@ -76,6 +77,7 @@ def checkpoint_manager(
             "strategy": StrategyPart(strategy),
             "scheduler": SchedulerPart(scheduler),
             "rng": RNGPart(cfg.train.seed, ts),
+            **getattr(strategy.objective, "checkpoint_parts", dict)(),
         },
         ts,
         rt.rank,
@@ -102,6 +104,7 @@ def start_attempt(
     newest complete checkpoint (torn ones after it are discarded), open this attempt's
     metrics file, journal and trackers, and say what this attempt will train."""
     device = memory.device
+    faults.arm_rl_drills(strategy.objective, rt.run.uri, rt.rank, rt.world_size)
     restoring = time.monotonic()
     restored = memory.restore()
     resume_dir = None if restored else rt.latest_checkpoint()

@@ -9,10 +9,15 @@ until the file PATH exists. While it waits, each holder touches PATH.upload.r<RA
 PATH.train.r<RANK>, so the test waits on those files (every rank's) instead of polling
 storage. On a real
 cluster PATH must be on a folder every node sees (the shared file system).
+
+Inside an online RL step (a kill mid-rollout or mid-update, digests to compare attempts)
+the drills reach the rollout and the objective through trainer.rollouts.drills' hooks,
+which `arm_rl_drills` replaces at the attempt's start (RLDrills).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
@@ -70,6 +75,27 @@ or after EPOCH + Ti (Unix seconds), once for each Ti (a marker file beside the m
 temp files; the test cluster is one machine): a Ti that passes while no step runs (a
 restart) fires at the next step. Steps are checked where the step report is due, so use
 train.log_every: 1."""
+KILL_IN_ROLLOUT_ENV = "RAYLIFT_FAULT_KILL_IN_ROLLOUT"
+"""N: online RL (trainer.rollouts): the last rank SIGKILLs itself inside step N's rollout,
+its completions sampled and not yet scored (the other ranks wait in the rewards' gather).
+Once per run: the first attempt that reaches step N's rollout fires it (a marker file
+beside the machine's temp files, keyed by the run; the test cluster is one machine), so
+the attempt that resumes samples step N again. A step reusing a rollout (num_iterations
+> 1) samples nothing: N names a step that samples."""
+KILL_IN_UPDATE_ENV = "RAYLIFT_FAULT_KILL_IN_UPDATE"
+"""N: online RL: the last rank SIGKILLs itself inside step N's update, before its last
+micro batch: every earlier micro batch's backward has accumulated its gradients and the
+optimizer step has not run (with one micro batch a worker, before its forward). Once per
+run, as KILL_IN_ROLLOUT: with both set and the update's step the later, the first attempt
+dies in the rollout and the attempt that resumes dies in the update."""
+WEIGHT_DIGEST_ENV = "RAYLIFT_FAULT_WEIGHT_DIGEST"
+"""1: every reported online RL step writes `debug/weights_sha256`, the SHA-256 of the
+trainable parameters after the step (in name order, each gathered whole under FSDP2 and
+ZeRO-3, so the digest does not depend on the layout), and, when the step sampled,
+`debug/completions_sha256`, of every rank's completion ids in rank order. A test compares
+the steps an attempt trains again with the same steps of an earlier attempt, bit for bit,
+without a second job. The metrics file on S3 is rewritten on flush: what a SIGKILL cuts
+short there is lost, so a comparison wants local or shared storage."""
 WORKER_ENV = (
     UPLOAD_PAUSE_ENV,
     SLOW_STORAGE_ENV,
@@ -79,6 +105,9 @@ WORKER_ENV = (
     HOLD_ENV,
     HOLD_BUDDY_ENV,
     KILL_AFTER_SNAPSHOT_ENV,
+    KILL_IN_ROLLOUT_ENV,
+    KILL_IN_UPDATE_ENV,
+    WEIGHT_DIGEST_ENV,
     "RAYLIFT_SNAPSHOT_STAGING",  # not a fault: the RAM tier bench's disk staging (before)
 )
 """The drills a Ray job's driver passes on to its workers."""
@@ -249,3 +278,132 @@ def kill_on_schedule(rank: int, world_size: int, done: int) -> None:
     for handler in logging.getLogger().handlers + logging.getLogger("trainer").handlers:
         handler.flush()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def in_step_kill(env: str) -> int | None:
+    """The step a RAYLIFT_FAULT_KILL_IN_* drill names, or None when it is unset. A value
+    that is not a whole step number of at least 1 is one clear line."""
+    spec = os.environ.get(env, "").strip()
+    if not spec:
+        return None
+    if not spec.isdigit() or int(spec) < 1:
+        raise ValueError(f"{env}={spec!r}: expected a step number N >= 1 (the step to kill in)")
+    return int(spec)
+
+
+def _sigkill_self(message: str, *args: Any) -> None:
+    log.warning(message, *args)
+    for handler in logging.getLogger().handlers + logging.getLogger("trainer").handlers:
+        handler.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RLDrills:
+    """The drills inside an online RL step (trainer.rollouts.drills.Drills' hooks): the
+    kills of KILL_IN_ROLLOUT_ENV and KILL_IN_UPDATE_ENV, the digests of WEIGHT_DIGEST_ENV.
+    Built from the environment once per attempt; `run_key` names the run in the markers."""
+
+    def __init__(self, run_key: str, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.key = hashlib.sha1(run_key.encode()).hexdigest()[:12]
+        self.rollout_at = in_step_kill(KILL_IN_ROLLOUT_ENV)
+        self.update_at = in_step_kill(KILL_IN_UPDATE_ENV)
+        self.digest = os.environ.get(WEIGHT_DIGEST_ENV, "") not in ("", "0")
+
+    @property
+    def armed(self) -> bool:
+        return self.rollout_at is not None or self.update_at is not None or self.digest
+
+    def marker(self, what: str, step: int) -> Path:
+        return Path(tempfile.gettempdir()) / f"raylift-kill-in-{what}-{self.key}-{step}"
+
+    def _once(self, what: str, step: int) -> bool:
+        """Whether the kill of `what` at `step` fires here: the last rank, the first time."""
+        if self.rank != self.world_size - 1:
+            return False
+        marker = self.marker(what, step)
+        if marker.exists():
+            return False
+        marker.touch()
+        return True
+
+    def in_rollout(self, step: int) -> None:
+        if step == self.rollout_at and self._once("rollout", step):
+            _sigkill_self(
+                "%s: killing rank %d in step %d's rollout (sampled, not scored)",
+                KILL_IN_ROLLOUT_ENV, self.rank, step,
+            )  # fmt: skip
+
+    def in_update(self, step: int, micro: int, micros: int) -> None:
+        if step == self.update_at and micro == micros - 1 and self._once("update", step):
+            _sigkill_self(
+                "%s: killing rank %d in step %d's update (before micro batch %d of %d, "
+                "before the optimizer step)",
+                KILL_IN_UPDATE_ENV, self.rank, step, micro + 1, micros,
+            )  # fmt: skip
+
+    def digests(self, model: Any, completions: list[str]) -> dict[str, str]:
+        """Collective (every rank): the weights' digest and, for a step that sampled, the
+        completions' (each rank's in rank order)."""
+        if not self.digest:
+            return {}
+        out = {"debug/weights_sha256": weights_digest(model)}
+        everyone = _gather_objects(completions)
+        if any(everyone):
+            joined = "|".join(",".join(c) for c in everyone)
+            out["debug/completions_sha256"] = hashlib.sha256(joined.encode()).hexdigest()
+        return out
+
+
+def _gather_objects(value: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _whole(p: Any) -> Any:
+    """A parameter's whole tensor on the CPU: FSDP2's DTensor gathered, ZeRO-3's
+    partition gathered (collectives: every rank calls them in the same order)."""
+    if hasattr(p, "ds_id"):  # ZeRO-3: partitioned outside its module's forward
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p]):
+            return p.data.detach().cpu().clone()
+    if hasattr(p, "full_tensor"):  # FSDP2's DTensor
+        return p.full_tensor().detach().cpu()
+    return p.detach().cpu()
+
+
+def weights_digest(model: Any) -> str:
+    """SHA-256 of the trainable parameters' names, shapes, dtypes and bytes, in name order,
+    each whole whatever the layout. Collective under FSDP2 and ZeRO-3."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda kv: _plain(kv[0])):
+        if not p.requires_grad:
+            continue
+        t = _whole(p).contiguous()
+        h.update(f"{_plain(name)}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _plain(name: str) -> str:
+    """A parameter's name without its wrappers' prefix (DDP's and DeepSpeed's `module.`)."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+def arm_rl_drills(objective: Any, run_key: str, rank: int, world_size: int) -> None:
+    """Give an online RL objective (one with `arm_drills`) the drills its environment
+    asks for; any other objective, or an environment without them, keeps its no-ops."""
+    arm = getattr(objective, "arm_drills", None)
+    drills = RLDrills(run_key, rank, world_size)
+    if arm is not None and drills.armed:
+        arm(drills)

@@ -6,7 +6,8 @@ worker sampling whole groups of its share. Prompts are drawn in a seeded permuta
 epoch, a pure function of the step, like every other feed, so a resumed run reads the
 same prompts and (seeded per rollout and worker) samples the same completions. With num_iterations
 μ > 1 one rollout serves μ optimizer steps (TRL's reuse), its log-probs at sampling time
-kept for the ratio.
+kept for the ratio. A checkpoint inside such a group keeps the rollout itself
+(trainer.rollouts.state.RolloutPart): the weights that sampled it are gone by then.
 
 Rewards are gathered over every worker before advantages are made (TRL normalises the
 whole batch), then each worker keeps its own. Prompts are left-padded and completions
@@ -15,6 +16,7 @@ right-padded to the worker's longest, as TRL pads a generation batch, then split
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from trainer.config import JobConfig
 from trainer.errors import UserError
 from trainer.rollouts.advantages import grpo_advantages, rloo_advantages
+from trainer.rollouts.drills import Drills
 from trainer.rollouts.generate import GenerateEngine, sample_seed
 from trainer.rollouts.rows import PromptRow
 
@@ -54,6 +57,7 @@ class RolloutStats:
     reward_s: float = 0.0
     logps_s: float = 0.0
     samples: list[dict[str, Any]] = field(default_factory=list)
+    completions_sha: str = ""  # this worker's completion ids (the drills compare attempts)
 
 
 class _FirstPrompt:
@@ -86,6 +90,8 @@ class RolloutFeed:
         self._cache: tuple[int, list[tuple[np.ndarray, ...]]] | None = None
         self.stats: list[RolloutStats] = []
         self.first: Any = None
+        self.step = -1  # the step (0-based) whose micro batches were asked for last
+        self.drills: Any = Drills()  # fault drills' hooks (trainer.resilience.faults)
 
     # ---------------------------------------------------------------- set-up
 
@@ -124,10 +130,35 @@ class RolloutFeed:
         return {}
 
     def micro_batches(self, step: int) -> list[tuple[np.ndarray, ...]]:
+        self.step = step
         rollout = step // self.rl.num_iterations
         if self._cache is None or self._cache[0] != rollout:
+            if step % self.rl.num_iterations:
+                log.warning(
+                    "step %d resumes inside rollout %d's group (train.rl.num_iterations %d) "
+                    "but its checkpoint holds no rollout (trainer.rollouts.state): sampling "
+                    "it again with the current weights, so this group is not exact",
+                    step + 1, rollout, self.rl.num_iterations,
+                )  # fmt: skip
             self._cache = (rollout, self._rollout(rollout, step))
         return self._cache[1]
+
+    @property
+    def micro_count(self) -> int:
+        """Micro batches of the step being trained (its rollout's)."""
+        return len(self._cache[1]) if self._cache is not None else 0
+
+    def held(self) -> tuple[int, list[tuple[np.ndarray, ...]]] | None:
+        """(rollout, its micro batches) when the step after the last one trained reuses the
+        rollout in hand (inside a num_iterations group), else None: what a checkpoint
+        must keep for the resumed step to train on the same rollout."""
+        if self._cache is None or self._cache[0] != (self.step + 1) // self.rl.num_iterations:
+            return None
+        return self._cache
+
+    def hold(self, rollout: int, micro: list[tuple[np.ndarray, ...]]) -> None:
+        """A checkpoint's rollout: the resumed steps of its group train on it."""
+        self._cache = (rollout, micro)
 
     # ---------------------------------------------------------------- a rollout
 
@@ -139,6 +170,7 @@ class RolloutFeed:
         seed = sample_seed(self.cfg.train.seed, rollout, self.rank)
         completion_ids = self.engine.sample(prompt_ids, g, seed)
         t1 = time.perf_counter()
+        self.drills.in_rollout(step + 1)  # a kill drill: sampled, not yet scored
         texts = [self.decode(c) for c in completion_ids]
         prompts = [r.prompt for r in rows for _ in range(g)]
         completions = [
@@ -166,6 +198,7 @@ class RolloutFeed:
             old = (old * mask).sum(1, keepdims=True).astype(np.float32)
         self._record(step, values, reward, completion_ids, mask, prompts, texts, kl)
         self.stats[-1].prompt_tokens = float(g * sum(len(p) for p in prompt_ids))
+        self.stats[-1].completions_sha = hashlib.sha256(str(completion_ids).encode()).hexdigest()
         self.stats[-1].generate_s, self.stats[-1].reward_s, self.stats[-1].logps_s = (
             t1 - t0,
             t2 - t1,

@@ -1,0 +1,107 @@
+"""The fault drills inside an online RL step (trainer.resilience.faults.RLDrills): their
+specs, the SIGKILL itself (in a child process: once per run, only the last rank, the
+update's only before its last micro batch), and the weights' digest."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.resilience import faults
+
+ROOT = Path(__file__).resolve().parents[3]
+
+KILL = """
+import sys
+from trainer.resilience.faults import RLDrills
+d = RLDrills(sys.argv[1], int(sys.argv[2]), 2)
+getattr(d, sys.argv[3])(*map(int, sys.argv[4:]))
+print("survived")
+"""
+
+
+def _child(env: dict[str, str], run: str, rank: int, hook: str, *args: int) -> int:
+    cmd = [sys.executable, "-c", KILL, run, str(rank), hook, *map(str, args)]
+    environ = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env}
+    return subprocess.run(cmd, env=environ, cwd=ROOT, capture_output=True, timeout=120).returncode
+
+
+def test_specs(monkeypatch) -> None:
+    assert faults.in_step_kill(faults.KILL_IN_ROLLOUT_ENV) is None
+    monkeypatch.setenv(faults.KILL_IN_ROLLOUT_ENV, " 7 ")
+    assert faults.in_step_kill(faults.KILL_IN_ROLLOUT_ENV) == 7
+    for bad in ("0", "7@2", "x"):
+        monkeypatch.setenv(faults.KILL_IN_UPDATE_ENV, bad)
+        with pytest.raises(ValueError, match=f"{faults.KILL_IN_UPDATE_ENV}='{bad}'.*N >= 1"):
+            faults.in_step_kill(faults.KILL_IN_UPDATE_ENV)
+    monkeypatch.delenv(faults.KILL_IN_UPDATE_ENV)
+    assert faults.RLDrills("run", 0, 2).armed
+    monkeypatch.delenv(faults.KILL_IN_ROLLOUT_ENV)
+    assert not faults.RLDrills("run", 0, 2).armed
+    monkeypatch.setenv(faults.WEIGHT_DIGEST_ENV, "1")
+    assert faults.RLDrills("run", 0, 2).armed
+    assert all(
+        e in faults.WORKER_ENV for e in (faults.KILL_IN_ROLLOUT_ENV, faults.WEIGHT_DIGEST_ENV)
+    )
+
+
+def test_kills_fire_once_per_run_on_the_last_rank() -> None:
+    run = f"file:///runs/{uuid.uuid4().hex}"
+    drills = faults.RLDrills(run, 1, 2)
+    env = {faults.KILL_IN_ROLLOUT_ENV: "3", faults.KILL_IN_UPDATE_ENV: "5"}
+    try:
+        assert _child(env, run, 1, "in_rollout", 2) == 0  # another step
+        assert _child(env, run, 0, "in_rollout", 3) == 0  # not the last rank
+        assert _child(env, run, 1, "in_rollout", 3) == -9  # SIGKILL
+        assert drills.marker("rollout", 3).exists()
+        assert _child(env, run, 1, "in_rollout", 3) == 0  # the resumed attempt samples on
+        assert _child(env, run, 1, "in_update", 5, 0, 2) == 0  # after the first micro batch
+        assert _child(env, run, 1, "in_update", 5, 1, 2) == -9  # before the last one
+        assert _child(env, run, 1, "in_update", 5, 1, 2) == 0
+    finally:
+        for what, step in (("rollout", 3), ("update", 5)):
+            drills.marker(what, step).unlink(missing_ok=True)
+
+
+class _Wrapped(torch.nn.Module):
+    """A model in a wrapper whose parameter names carry `module.`, as DDP's do."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.module = inner
+
+
+def test_weights_digest_is_every_trainable_bit() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    digest = faults.weights_digest(model)
+    assert faults.weights_digest(_Wrapped(model)) == digest  # the wrapper's prefix is not in it
+    bits = model[1].bias.data.view(torch.int32)
+    bits[0] ^= 1  # one bit of the last parameter
+    assert faults.weights_digest(model) != digest
+    bits[0] ^= 1
+    assert faults.weights_digest(model) == digest
+    model[0].weight.requires_grad_(False)  # frozen weights (a LoRA base) are not counted
+    frozen = faults.weights_digest(model)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    assert faults.weights_digest(model) == frozen != digest
+
+
+def test_digests_of_a_step(monkeypatch) -> None:
+    model = torch.nn.Linear(2, 2)
+    assert faults.RLDrills("run", 0, 1).digests(model, ["a"]) == {}  # not asked for
+    monkeypatch.setenv(faults.WEIGHT_DIGEST_ENV, "1")
+    drills = faults.RLDrills("run", 0, 1)
+    sampled = drills.digests(model, ["a"])
+    assert sampled["debug/weights_sha256"] == faults.weights_digest(model)
+    assert (
+        sampled["debug/completions_sha256"]
+        != drills.digests(model, ["b"])["debug/completions_sha256"]
+    )
+    assert set(drills.digests(model, [])) == {"debug/weights_sha256"}  # a reused rollout
