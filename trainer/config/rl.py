@@ -156,6 +156,19 @@ class RLSection(_Section):
         gt=0,
         description="Seconds one reward call may take; past it the run stops naming the row.",
     )
+    reward_workers: int = Field(
+        default=0,
+        ge=0,
+        description="0: rewards run in the training process. N > 0: each worker's "
+        "completions are split into up to N chunks, each scored by a Ray task (for rewards "
+        "that execute code or call a service); a relative reward path is then read from the "
+        "job's working directory on the task's node.",
+    )
+    reward_worker_cpus: float = Field(
+        default=1.0,
+        gt=0,
+        description="CPUs each reward task asks Ray for (train.rl.reward_workers > 0).",
+    )
     engine: Literal["generate"] = Field(
         default="generate",
         description="Rollout engine: generate (transformers' generate on the training "

@@ -87,7 +87,9 @@ def bind_feed(cfg: JobConfig, strategy: Any, feed: RolloutFeed) -> None:
         and torch.distributed.get_world_size() > 1
     )
     engine = GenerateEngine(strategy.model, sampling, strategy.device, synced)
-    rewards = Rewards(rl.rewards, rl.reward_timeout_s, Path.cwd())
+    rewards = Rewards(
+        rl.rewards, rl.reward_timeout_s, Path.cwd(), rl.reward_workers, rl.reward_worker_cpus
+    )
     micro = cfg.train.micro_batch_size
     policy = _logps_fn(strategy.model, strategy, rl.temperature, micro)
     reference = None
