@@ -309,13 +309,19 @@ class GRPO:
 
     def _log_completions(self, samples: list[dict[str, Any]]) -> None:
         """Rank 0's sample of completions with their rewards, the whole file rewritten
-        (object stores cannot append): completions.jsonl in the run folder."""
+        (object stores cannot append): completions.jsonl in the run folder. A resumed
+        attempt first takes over the earlier attempts' rows of the steps before its
+        first sample (the steps it trains again it logs anew), so a restart keeps them."""
         if not samples or self.rt is None or self.rt.rank != 0:
             return
         import json
 
-        self._logged.extend(samples)
         loc = self.rt.run.join("completions.jsonl")
+        if not self._logged and loc.fs.get_file_info(loc.path).is_file:
+            with loc.fs.open_input_stream(loc.path) as f:
+                earlier = [json.loads(line) for line in f.read().decode().splitlines() if line]
+            self._logged = [r for r in earlier if r["step"] < samples[0]["step"]]
+        self._logged.extend(samples)
         body = "".join(json.dumps(s) + "\n" for s in self._logged)
         with loc.fs.open_output_stream(loc.path) as f:
             f.write(body.encode())

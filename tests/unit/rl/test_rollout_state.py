@@ -106,3 +106,25 @@ def test_a_checkpoint_at_a_groups_boundary_keeps_none(tmp_path) -> None:
     fresh = _feed(tmp_path, 0)
     RolloutPart(fresh).load(out, 0)  # nothing to load: the next step samples
     assert fresh.held() is None and fresh.micro_count == 0
+
+
+def test_a_resumed_attempt_keeps_the_earlier_completions_log(tmp_path) -> None:
+    """completions.jsonl is rewritten whole: an attempt resumed from step 10 (its first
+    sample at step 14) keeps the step-7 rows an earlier attempt wrote, and replaces what
+    that attempt logged of the steps it trains again."""
+    from types import SimpleNamespace
+
+    from trainer.objectives.grpo import GRPO
+
+    run = resolve(str(tmp_path / "run"))
+    (tmp_path / "run").mkdir()
+    earlier = [{"step": 7, "completion": "old 7"}, {"step": 14, "completion": "lost 14"}]
+    (tmp_path / "run" / "completions.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in earlier)
+    )
+    objective = GRPO(_feed(tmp_path, 0).cfg)
+    objective.rt = SimpleNamespace(rank=0, run=run)
+    objective._log_completions([{"step": 14, "completion": "new 14"}])
+    objective._log_completions([{"step": 21, "completion": "new 21"}])
+    rows = (tmp_path / "run" / "completions.jsonl").read_text().splitlines()
+    assert [json.loads(r)["completion"] for r in rows] == ["old 7", "new 14", "new 21"]
