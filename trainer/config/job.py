@@ -303,11 +303,15 @@ class JobConfig(_Section):
                 f"data.block_size: {self.data.block_size} does not split into strategy.sp = "
                 f"{sp} equal parts; use a multiple of {sp}"
             )
-        if t.objective != "sft":
+        # SFT's token loss and the pair losses (their per-sequence sums all-reduced over
+        # the sp group: trainer.parallel.sequence) are exact; KTO's batch KL estimate and
+        # RL's rollouts are not split over a group in this build.
+        exact = ("sft", "dpo", "ipo", "hinge", "simpo", "orpo")
+        if t.objective not in exact:
             raise ValueError(
                 f"train.objective: {t.objective} with strategy.sp > 1 is not in this build "
-                "(its sequence log-probs are sums over whole sequences on one rank); use sft "
-                "or sp: 1"
+                f"(sequence parallelism is exact for {', '.join(exact)}); use one of them or "
+                "sp: 1"
             )
 
     def _check_parallel(self, st: FSDPOptions) -> None:

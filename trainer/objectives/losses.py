@@ -18,10 +18,16 @@ from trainer.data.tokenize import IGNORE
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-prob of each row's target tokens, their count), the one-token shift
     done as a causal LM's loss does it. The log-softmax runs in float32."""
-    shifted = labels[:, 1:]
-    mask = shifted != IGNORE
-    logits = logits[:, :-1].float()
-    picked = torch.gather(logits, -1, shifted.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return target_logps(logits[:, :-1], labels[:, 1:])
+
+
+def target_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logps` on targets already shifted (position i's target is the token after
+    i): what a share of a sequence under sequence parallelism holds, its last position's
+    target being the next share's first token."""
+    mask = targets != IGNORE
+    logits = logits.float()
+    picked = torch.gather(logits, -1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     per_token = picked - torch.logsumexp(logits, dim=-1)
     return (per_token * mask).sum(-1), mask.sum(-1)
 

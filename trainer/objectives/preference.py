@@ -10,6 +10,7 @@ of log-probs `trainer.objectives.reference` computed before step 1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,11 @@ METRICS = (
     "logps/chosen",
     "logps/rejected",
 )
+
+
+def _whole(partial: torch.Tensor) -> torch.Tensor:
+    """Rows held whole by one worker: their partial sums are their sums."""
+    return partial
 
 
 def adapter_model(model: torch.nn.Module) -> Any:
@@ -70,6 +76,11 @@ class PairObjective:
     def count(self, batch: tuple[np.ndarray, ...]) -> int:
         return len(batch[0]) // 2
 
+    def row_logps(self, strategy: Any, x: torch.Tensor, y: torch.Tensor, **kw: Any) -> torch.Tensor:
+        """Each row's summed target log-probs from the strategy's forward (inside its
+        `evaluating()`): the reference pass's column (trainer.objectives.reference)."""
+        return losses.sequence_logps(strategy.logits(x), y)[0]
+
     def inputs(
         self, batch: tuple[np.ndarray, ...], device: torch.device, attend: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
@@ -97,18 +108,57 @@ class Preference(PairObjective):
         self.column_reference = self.name in REFERENCE and cfg.model.adapter == "none"
         self._sums: torch.Tensor | None = None
         self.router = RouterTerm()
+        self._total = _whole  # per-row partial sums → the rows' sums (sp: over the group)
+
+    def split_sequences(self, total: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Under sequence parallelism (trainer.parallel.sequence) each worker holds a share
+        of every row: `total` sums per-row partials over the row's workers, with autograd,
+        so log-probs, target counts and the reference's are the whole rows' (exact)."""
+        self._total = total
+
+    def _row_logps(
+        self, logits: torch.Tensor, y: torch.Tensor, shifted: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's summed target log-probs and target count: `y` is the labels, or
+        (`shifted`: a share under sequence parallelism) the share's shifted targets."""
+        if shifted:
+            logps, lens = losses.target_logps(logits, y)
+        else:
+            logps, lens = losses.sequence_logps(logits, y)
+        both = self._total(torch.stack([logps, lens.to(logps.dtype)]))
+        return both[0], both[1]
+
+    def row_logps(
+        self,
+        strategy: Any,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        shift_labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As PairObjective's; under sequence parallelism on this worker's share of every
+        row (its global positions, its shifted targets), the sums totalled over the group."""
+        at = {} if position_ids is None else {"position_ids": position_ids}
+        return self._row_logps(strategy.logits(x, **at), y, shift_labels is not None)[0]
 
     # ---------------------------------------------------------------- the loss
 
     def reference_logps(
-        self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, ref: torch.Tensor | None
+        self,
+        model: torch.nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        ref: torch.Tensor | None,
+        positions: torch.Tensor | None = None,
+        shifted: bool = False,
     ) -> torch.Tensor:
         """The reference's summed completion log-probs of every row."""
         if ref is not None:
             return ref.float()
         peft = adapter_model(model)
         with torch.no_grad(), peft.disable_adapter():
-            return losses.sequence_logps(model(input_ids=x).logits, y)[0]
+            logits = model(input_ids=x, position_ids=positions).logits
+            return self._row_logps(logits, y, shifted)[0]
 
     def pair_losses(
         self,
@@ -140,13 +190,19 @@ class Preference(PairObjective):
         y: torch.Tensor,
         num_items: Any,
         ref: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        shift_labels: torch.Tensor | None = None,
         **kw: Any,
     ) -> torch.Tensor:
+        """The micro batch's pair losses over `num_items`. Under sequence parallelism `x`
+        is this worker's share of every row, `y` its shifted targets (`shift_labels`), and
+        `position_ids` the share's global positions."""
+        shifted = shift_labels is not None
         if self.name in REFERENCE:
-            ref = self.reference_logps(model, x, y, ref)
+            ref = self.reference_logps(model, x, y, ref, position_ids, shifted)
         with self.router.recording(model) as routed:  # a mixture of experts' aux loss
-            logits = model(input_ids=x).logits
-        logps, lens = losses.sequence_logps(logits, y)
+            logits = model(input_ids=x, position_ids=position_ids).logits
+        logps, lens = self._row_logps(logits, y, shifted)
         per_pair, chosen, rejected, logged = self.pair_losses(logps, lens, ref)
         self._record(chosen, rejected, logged.detach())
         aux = self.router.term(model, routed, len(chosen), num_items)

@@ -32,7 +32,6 @@ import torch
 from trainer.config import JobConfig
 from trainer.data.blocks import eval_indices
 from trainer.errors import UserError
-from trainer.objectives.losses import sequence_logps
 from trainer.objectives.pairs import PairBlocks
 
 log = logging.getLogger(__name__)
@@ -96,7 +95,8 @@ def compute_reference(
         for b, ix in enumerate(batches):
             ids, labels, _ = pairs.gather(np.maximum(ix, 0))
             x, y = torch.from_numpy(ids).to(device), torch.from_numpy(labels).to(device)
-            logps = sequence_logps(strategy.logits(x), y)[0].double().cpu().numpy()
+            # the objective's: under strategy.sp each worker forwards its share of a row
+            logps = strategy.objective.row_logps(strategy, x, y).double().cpu().numpy()
             keep = np.concatenate([ix, ix]) >= 0
             rows_done.append(pairs.rows(ix)[keep])
             values.append(logps[keep])

@@ -32,6 +32,14 @@ replaces the sdpa entry of transformers' registry for every model in the process
 exchange here is torch's differentiable functional `all_to_all_single_autograd`, which
 gloo runs on CPU.
 
+A loss over whole sequences' sums (DPO and its kin: `split_sequences`) gets them whole:
+each worker sums its share's target log-probs (and counts) per row, and one all-reduce over
+the group, differentiable (its backward all-reduces the gradients of every worker's copy of
+the loss), makes the rows' sums on every worker; each worker then returns 1/sp of the pair
+loss, a pair counting once per group (on its first worker), so the gradients summed over
+the group are the whole loss's. The LoRA reference (adapter off) and the precomputed
+reference pass (`row_logps`) go through the same sharded forward and sum.
+
 The loss is exact by construction: each worker's loss is its own targets' token sum over
 the step's divisor (the loop's global target count / world, counted from `count`, i.e.
 each worker's own share), and the strategies average gradients over every worker (FSDP2
@@ -90,6 +98,15 @@ class SequenceGroup:
             )
         n = length // self.size
         return slice(self.rank * n, (self.rank + 1) * n)
+
+    def total(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum over the group of every worker's `partial` (per-row sums of its share),
+        differentiable: each worker's loss is then the same function of the same totals,
+        and the backward all-reduces their gradients, so each share's slice of the graph
+        gets the whole loss's gradient (see `SequenceShard`)."""
+        from torch.distributed._functional_collectives import all_reduce
+
+        return all_reduce(partial.contiguous(), "sum", self.group)
 
 
 def new_group(sp: int) -> SequenceGroup:
@@ -272,6 +289,13 @@ class SequenceShard:
     def __init__(self, inner: Any, sg: SequenceGroup):
         self.inner, self.sg = inner, sg
         self.name = inner.name
+        # A loss over whole-sequence sums (DPO and its kin) gets the group's sum of its
+        # per-row partials; its items (pairs) are counted once per group, on its first
+        # worker; every worker's loss is then the group's whole loss, so each returns 1/sp
+        # of it (its share of the group's sum, as a token loss's share is).
+        self.whole = hasattr(inner, "split_sequences")
+        if self.whole:
+            inner.split_sequences(sg.total)
 
     def open_feed(self, train: list[str], eval_: list[str], rank: int, world: int) -> Any:
         return self.inner.open_feed(train, eval_, rank, world)
@@ -280,7 +304,10 @@ class SequenceShard:
         self.inner.before_training(strategy, feed, rt)
 
     def count(self, batch: tuple[np.ndarray, ...]) -> int:
-        """This worker's own targets: summed over the group, the batch's."""
+        """This worker's own items: summed over the group, the batch's (targets: each
+        worker's own; whole-sequence items: all on the group's first worker)."""
+        if self.whole:
+            return self.inner.count(batch) if self.sg.rank == 0 else 0
         return own_targets(batch[1], self.sg)
 
     def inputs(
@@ -292,12 +319,21 @@ class SequenceShard:
         x, y, kw = self.inner.inputs(batch, device, attend)
         return shard_batch(x, y, kw, self.sg)
 
+    def row_logps(self, strategy: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The reference pass's column (whole rows `x`, labels `y`): each worker forwards
+        its share of every row, the inner objective totals the rows' sums over the group."""
+        xs, targets, kw = shard_batch(x, y, {}, self.sg)
+        with self.sg.sharding():
+            return self.inner.row_logps(strategy, xs, targets, **kw)
+
     def loss(
         self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, num_items: Any, **kw: Any
     ) -> torch.Tensor:
         """This worker's loss with its graph; its value the group's mean (see module doc)."""
         with self.sg.sharding():
             mine = self.inner.loss(model, x, y, num_items, **kw)
+        if self.whole:
+            mine = mine / self.sg.size
         group = mine.detach().clone()
         dist.all_reduce(group, group=self.sg.group)
         return mine + (group / self.sg.size - mine).detach()

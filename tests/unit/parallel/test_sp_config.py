@@ -37,6 +37,9 @@ def test_sp_shares_the_batch_between_its_workers():
     assert (cfg.model_parallel, cfg.data_parallel, cfg.global_batch) == (2, 2, 2)
     assert [cfg.data_rank(r, 4) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     assert load_config(_job({"name": "ddp", "sp": 4})).data_parallel == 1
+    for objective in ("dpo", "ipo", "hinge", "simpo", "orpo"):  # exact: test_ulysses_preference
+        cfg = load_config(_job({"name": "fsdp", "sp": 2}, train={"objective": objective}))
+        assert (cfg.strategy.sp, cfg.data_parallel) == (2, 2)
 
 
 @pytest.mark.parametrize(
@@ -48,8 +51,9 @@ def test_sp_shares_the_batch_between_its_workers():
         (_job({"name": "deepspeed", "sp": 2}), "strategy.sp: 2 with strategy deepspeed"),
         (_job({"name": "fsdp", "sp": 2}, [2, 4]), "(elastic) needs strategy.sp = 1"),
         (
-            _job({"name": "fsdp", "sp": 2}, train={"objective": "dpo"}),
-            "train.objective: dpo with strategy.sp > 1 is not in this build",
+            _job({"name": "fsdp", "sp": 2}, train={"objective": "kto"}),
+            "train.objective: kto with strategy.sp > 1 is not in this build (sequence "
+            "parallelism is exact for sft, dpo, ipo, hinge, simpo, orpo)",
         ),
     ],
 )
