@@ -447,7 +447,7 @@ def _sequence_note(
     open_sp = "sp" not in st.model_fields_set and "block_size" in cfg.data.model_fields_set
     if not open_sp or not result.refused or st.name == "deepspeed" or cfg.model_parallel > 1:
         return []
-    if cfg.train.objective != "sft" or s.tp * s.pp > 1:
+    if cfg.train.objective not in sequence.OBJECTIVES or s.tp * s.pp > 1:
         return []
 
     def fits(candidate: Setup) -> bool:

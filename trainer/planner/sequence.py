@@ -29,6 +29,12 @@ from trainer.planner.setup import Setup
 from trainer.planner.shape import ModelShape
 
 
+OBJECTIVES = ("sft", "dpo", "ipo", "hinge", "simpo", "orpo")
+"""The objectives trainer.config accepts with strategy.sp > 1 (exact: trainer.parallel.
+sequence). A pair is two sequences: `Setup.micro_batch` counts both, so a rank's share of
+the tokens, its activations and the all-to-all's buffers are a preference job's too."""
+
+
 def local_tokens(s: Setup) -> int:
     """Tokens of a micro batch one rank holds activations for."""
     return s.micro_batch * s.block_size // max(1, s.sp)
