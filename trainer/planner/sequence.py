@@ -28,7 +28,6 @@ from dataclasses import replace
 from trainer.planner.setup import Setup
 from trainer.planner.shape import ModelShape
 
-
 OBJECTIVES = ("sft", "dpo", "ipo", "hinge", "simpo", "orpo")
 """The objectives trainer.config accepts with strategy.sp > 1 (exact: trainer.parallel.
 sequence). A pair is two sequences: `Setup.micro_batch` counts both, so a rank's share of
