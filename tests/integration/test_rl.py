@@ -2,9 +2,15 @@
 Llama with a reward it can learn from reward alone (the share of even token ids in its
 completion: about 0.5 for the random model, 1.0 at best), written in a Python file the
 job names by path. The mean reward goes from its start to at least 0.9 of its maximum;
-the metrics carry TRL's names and completions.jsonl a sample with rewards. One worker is
-SIGKILLed after step 7; the group resumes from the step-5 checkpoint and samples steps 6
-and 7 again: the same completions, so the same rewards and losses."""
+the metrics carry TRL's names and completions.jsonl a sample with rewards.
+
+Exact resume (trainer.resilience.faults' RL drills): one worker is SIGKILLed inside step
+7's rollout (sampled, not scored) in the first attempt, and inside step 8's update (one
+micro batch's gradients accumulated, the optimizer step not run) in the second; each
+attempt resumes from the step-5 checkpoint. Every step an attempt trains again gives what
+the earlier attempt's run of it gave: the same completions (a digest of every rank's
+completion ids), reward and loss, and bit-identical weights (a digest of every trainable
+parameter after the step): step 6 in all three attempts, step 7 in the last two."""
 
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ import pytest
 
 from tests.support.jobs import write_job
 from tests.support.ray_jobs import history, run_to_end
+from trainer.resilience import faults
+from trainer.runtime.worker import run_location
 
 pytestmark = pytest.mark.slow
 
@@ -25,10 +33,17 @@ def even_tokens(prompts, completions, completion_ids, **columns):
 """
 
 
-def _attempts(records, steps: list[int]) -> tuple[list, list]:
-    """(reward, loss) of each step in the first attempt and in the resumed one."""
-    by = {(r.get("attempt"), r["step"]): (r["reward"], r["loss"]) for r in records if "reward" in r}
-    return [by[(1, s)] for s in steps], [by[(2, s)] for s in steps]
+SAME = ("reward", "loss", "debug/completions_sha256", "debug/weights_sha256")
+"""What a step trained again must give as its earlier run did, bit for bit."""
+
+
+def _by_attempt(records) -> dict[int, dict[int, tuple]]:
+    """{attempt: {step: its SAME values}} of every train record."""
+    out: dict[int, dict[int, tuple]] = {}
+    for r in records:
+        if r.get("event") == "train":
+            out.setdefault(r["attempt"], {})[r["step"]] = tuple(r[k] for k in SAME)
+    return out
 
 
 def test_grpo_learns_a_reward_on_two_workers(ray_cluster, tiny, tmp_path: Path) -> None:
@@ -46,7 +61,8 @@ def test_grpo_learns_a_reward_on_two_workers(ray_cluster, tiny, tmp_path: Path) 
         data={"train_file": str(prompts), "eval_file": None, "columns": {"prompt": "question"}},
         train={
             "objective": "grpo",
-            "micro_batch_size": 8,
+            "micro_batch_size": 4,
+            "grad_accum": 2,  # two micro batches a worker: the update's kill falls between
             "max_steps": 14,
             "eval_every": None,
             "eval_blocks": None,
@@ -60,10 +76,23 @@ def test_grpo_learns_a_reward_on_two_workers(ray_cluster, tiny, tmp_path: Path) 
         optim={"lr": 3e-2, "warmup_steps": 0, "schedule": "constant"},
         checkpoint={"every_steps": 5, "keep_last": 1, "upload": "sync"},
     )
-    cfg, _, logs = run_to_end(ray_cluster, path, env={"RAYLIFT_FAULT_KILL_AFTER_STEP": "7"})
+    drills = {
+        faults.KILL_IN_ROLLOUT_ENV: "7",
+        faults.KILL_IN_UPDATE_ENV: "8",
+        faults.WEIGHT_DIGEST_ENV: "1",
+    }
+    cfg, _, logs = run_to_end(ray_cluster, path, env=drills)
     records, kept, _ = history(cfg)
-    first, resumed = _attempts(records, [6, 7])
-    assert first == resumed  # (reward, loss) of steps 6 and 7, bit for bit
+    marks = faults.RLDrills(run_location(cfg).uri, 1, 2)
+    assert marks.marker("rollout", 7).exists() and marks.marker("update", 8).exists()
+    by = _by_attempt(records)
+    # attempt 1 died in step 7's rollout, attempt 2 in step 8's update, both after step 5
+    assert (sorted(by[1]), sorted(by[2]), min(by[3])) == (list(range(1, 7)), [6, 7], 6)
+    assert by[1][6] == by[2][6] == by[3][6], (by[1][6], by[2][6], by[3][6])
+    assert by[2][7] == by[3][7], (by[2][7], by[3][7])
+    assert len({by[3][s][3] for s in (6, 7, 8)}) == 3  # the weights move every step
+    for what, step in (("rollout", 7), ("update", 8)):
+        marks.marker(what, step).unlink()
     steps = [r for r in kept if "reward" in r]
     assert [r["step"] for r in steps] == list(range(1, 15)), logs[-3000:]
     start = sum(r["reward"] for r in steps[:2]) / 2
