@@ -92,3 +92,28 @@ def test_messages_are_one_line_naming_the_reward_and_the_row() -> None:
     assert "\n" not in str(e) and "xxx..." in str(e)
     b = batch_error(0, spec, "ran past train.rl.reward_timeout_s = 2 s", 4)
     assert "on a batch of 4 completions (each row alone passes)" in str(b)
+
+
+def test_gsm8k_shaped_demo_rows_read_as_gsm8k(tmp_path) -> None:
+    """tools.demo.gsm8k's rows: `#### N` ends the answer, math_answer scores the SFT
+    text's own continuation 1.0 and a wrong sum 0.0."""
+    import json
+
+    from tools.demo import gsm8k
+    from trainer.rewards.builtin import math_answer
+
+    files = gsm8k.write(tmp_path, 20, largest=9, seed=3)
+    rows = [json.loads(x) for x in files["prompts"].read_text().splitlines()]
+    texts = [json.loads(x)["text"] for x in files["sft"].read_text().splitlines()]
+    assert len(rows) == len(texts) == 20
+    a, b = (
+        int(w) for w in rows[0]["question"].removeprefix("What is ").rstrip("?").split(" plus ")
+    )
+    assert rows[0]["answer"].endswith(f"\n#### {a + b}") and 1 <= a <= 9 and 1 <= b <= 9
+    questions = [r["question"] for r in rows]
+    right = [gsm8k.sft_text(r).removeprefix(r["question"]) for r in rows]
+    wrong = [f" {a} plus {b} is {a + b + 1}.\n#### {a + b + 1}"] * 20
+    answers = [r["answer"] for r in rows]
+    assert math_answer(questions, right, answer=answers) == [1.0] * 20
+    assert math_answer(questions[:1], wrong[:1], answer=answers[:1]) == [0.0]
+    assert all(t.startswith("What is ") and "\n#### " in t for t in texts)
