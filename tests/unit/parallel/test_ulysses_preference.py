@@ -4,8 +4,10 @@ every chosen and rejected row, the step's reported loss and every gradient match
 process running the whole global batch within 1e-5: sp 4 (one replica) and sp 2 (dp 2 ×
 sp 2); DPO full (the reference a column of the batch) and LoRA (the reference the model
 with its adapter off, itself sharded), under DDP and FSDP2; IPO, hinge, SimPO and ORPO,
-whose losses read the rows' target counts too. The rows' targets start and end inside
-different shares (one share of a row has none). One spawn runs every case."""
+whose losses read the rows' target counts too; and the column of full fine-tuning's
+reference pass, computed from the shares, equals one process's summed log-probs. The rows'
+targets start and end inside different shares (one share of a row has none). One spawn
+runs every case."""
 
 from __future__ import annotations
 
