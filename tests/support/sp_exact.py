@@ -68,8 +68,13 @@ def spawn(worker: Callable[..., None], world: int, *args: Any) -> None:
 
 
 def init_gloo(rank: int, world: int, store: str) -> None:
+    """The world's process group; the launcher's variables DeepSpeed's ZeRO-3 init reads."""
+    import os
+
     import torch.distributed as dist
 
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world}
+    os.environ.update({k: str(v) for k, v in env.items()})
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
 
 
@@ -83,8 +88,13 @@ def build(cfg: Any, model_dir: str, rank: int, world: int) -> Any:
     return s
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+def _full(p: torch.nn.Parameter) -> torch.Tensor:
+    """A parameter's whole gradient: FSDP2's DTensor gathered, ZeRO-3's partition too."""
+    if hasattr(p, "ds_id"):
+        from deepspeed.utils import safe_get_full_grad
+
+        return safe_get_full_grad(p).reshape(p.ds_shape)
+    return p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
 
 
 def train_micro(s: Any, mine: tuple, attend: Callable[[list], dict], world: int) -> dict:
@@ -103,7 +113,7 @@ def train_micro(s: Any, mine: tuple, attend: Callable[[list], dict], world: int)
     reported = loss.clone()
     dist.all_reduce(reported)
     grads = {
-        n.removeprefix("module."): _full(p.grad).tolist()
+        n.removeprefix("module."): _full(p).tolist()
         for n, p in s.model.named_parameters()
         if p.requires_grad
     }

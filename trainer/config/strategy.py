@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from trainer.config.base import _Section
 
@@ -88,22 +88,7 @@ class DeepSpeedOptions(_Section):
         description="Shipped config (zero2, zero3, zero3_offload) or a path to a DeepSpeed JSON; "
         '"auto" values are filled from this job, contradicting ones are errors.',
     )
-    sp: int = Field(
-        default=1,
-        ge=1,
-        description="Sequence parallelism is not in this build under DeepSpeed (ZeRO-3 with "
-        "ALST): keep 1, or use strategy fsdp with sp.",
-    )
-
-    @field_validator("sp")
-    @classmethod
-    def _no_sp(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(
-                f"strategy.sp: {v} with strategy deepspeed is not in this build (ZeRO-3 with "
-                "DeepSpeed's ALST is not wired); use strategy fsdp (or ddp) with sp, or sp: 1"
-            )
-        return v
+    sp: int = Field(default=1, ge=1, description=SP_DESCRIPTION)
 
 
 StrategyOptions = Annotated[

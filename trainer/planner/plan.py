@@ -445,7 +445,7 @@ def _sequence_note(
     stays the job's own (it runs with the sp it sets)."""
     st, s = cfg.strategy, result.setup
     open_sp = "sp" not in st.model_fields_set and "block_size" in cfg.data.model_fields_set
-    if not open_sp or not result.refused or st.name == "deepspeed" or cfg.model_parallel > 1:
+    if not open_sp or not result.refused or cfg.model_parallel > 1:
         return []
     if cfg.train.objective not in sequence.OBJECTIVES or s.tp * s.pp > 1:
         return []

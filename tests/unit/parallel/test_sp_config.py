@@ -1,5 +1,5 @@
 """`strategy.sp`'s refusals, each one line before any worker starts: the config's (workers,
-block, tp/pp, elastic, DeepSpeed, objectives) and preflight's from the model's config.json
+block, tp/pp, elastic, objectives) and preflight's from the model's config.json
 (KV heads, attention heads, mixture of experts). Pure Python: no torch."""
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def test_sp_shares_the_batch_between_its_workers():
     assert (cfg.model_parallel, cfg.data_parallel, cfg.global_batch) == (2, 2, 2)
     assert [cfg.data_rank(r, 4) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     assert load_config(_job({"name": "ddp", "sp": 4})).data_parallel == 1
+    assert load_config(_job({"name": "deepspeed", "sp": 2})).data_parallel == 2  # ZeRO-3
     for objective in ("dpo", "ipo", "hinge", "simpo", "orpo"):  # exact: test_ulysses_preference
         cfg = load_config(_job({"name": "fsdp", "sp": 2}, train={"objective": objective}))
         assert (cfg.strategy.sp, cfg.data_parallel) == (2, 2)
@@ -48,7 +49,6 @@ def test_sp_shares_the_batch_between_its_workers():
         (_job({"name": "fsdp", "sp": 3}), "strategy.sp: 3 does not divide scaling.num_workers 4"),
         (_job({"name": "ddp", "sp": 2}, data={"block_size": 15}), "data.block_size: 15"),
         (_job({"name": "fsdp", "sp": 2, "tp": 2}), "strategy.sp: 2 with strategy.tp/pp > 1"),
-        (_job({"name": "deepspeed", "sp": 2}), "strategy.sp: 2 with strategy deepspeed"),
         (_job({"name": "fsdp", "sp": 2}, [2, 4]), "(elastic) needs strategy.sp = 1"),
         (
             _job({"name": "fsdp", "sp": 2}, train={"objective": "kto"}),

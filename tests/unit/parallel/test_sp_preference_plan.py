@@ -1,7 +1,8 @@
 """The planner under sequence parallelism for a preference job: a pair is two sequences,
 so at one sp a DPO rank holds the activations of an SFT rank with twice the micro batch,
-and `raylift plan` names the smallest sp that fits for DPO as it does for SFT; the
-objectives it plans sp for are the ones the config accepts. Pure Python: no torch."""
+and `raylift plan` names the smallest sp that fits for DPO as it does for SFT, and for
+ZeRO-3 as for FSDP2; the objectives it plans sp for are the ones the config accepts. Pure
+Python: no torch."""
 
 from __future__ import annotations
 
@@ -26,13 +27,17 @@ LLAMA3_8B = {
 }
 
 
-def _job(tmp_path, objective: str, micro: int = 1, **strategy):
+def _job(tmp_path, objective: str, micro: int = 1, deepspeed: bool = False, **strategy):
     d = tmp_path / "llama3-8b"
     d.mkdir(exist_ok=True)
     (d / "config.json").write_text(json.dumps(LLAMA3_8B))
+    if deepspeed:  # ZeRO-3 (its shipped config); checkpointing is the model's switch
+        strategy, model = {"name": "deepspeed", **strategy}, {"gradient_checkpointing": True}
+    else:
+        strategy, model = {"name": "fsdp", "activation_checkpointing": True, **strategy}, {}
     return load_config(
         {
-            "model": {"path": str(d)},
+            "model": {"path": str(d), **model},
             "data": {"train_file": "unused.jsonl", "block_size": 16384},
             "train": {
                 "micro_batch_size": micro,
@@ -40,7 +45,7 @@ def _job(tmp_path, objective: str, micro: int = 1, **strategy):
                 "precision": "bf16",
                 "objective": objective,
             },
-            "strategy": {"name": "fsdp", "activation_checkpointing": True, **strategy},
+            "strategy": strategy,
             "scaling": {"num_workers": 8, "use_gpu": True},
             "run": {"name": "long"},
         }
@@ -66,6 +71,15 @@ def test_plan_names_the_smallest_sp_for_a_dpo_job_that_leaves_it_unset(tmp_path)
     assert not pinned.refused
     smaller = plan_job(_job(tmp_path, "dpo", sp=picked // 2), "g5.48xlarge")
     assert smaller.refused  # the smallest: half of it does not fit
+
+
+def test_plan_names_the_smallest_sp_for_a_zero3_job_too(tmp_path):
+    p = plan_job(_job(tmp_path, "sft", deepspeed=True), "g5.48xlarge")
+    assert p.refused
+    (note,) = [n for n in p.notes if n.startswith("strategy.sp")]
+    assert note.endswith("set strategy.sp: 8"), note
+    pinned = plan_job(_job(tmp_path, "sft", deepspeed=True, sp=8), "g5.48xlarge")
+    assert not pinned.refused and pinned.setup.sp == 8
 
 
 def test_the_planner_plans_sp_for_what_the_config_accepts(tmp_path):

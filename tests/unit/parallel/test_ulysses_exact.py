@@ -8,15 +8,15 @@ carried across the split) and LoRA. The module stays light: spawn imports it per
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-VOCAB = 96
+from tests.support import sp_exact
+
+VOCAB = sp_exact.VOCAB
 BLOCK = 16
 ROWS = 2  # micro batch per replica
 
@@ -25,6 +25,7 @@ CASES_2 = [  # (name, strategy, sp, adapter, packed, attention, model)
     ("fsdp", "fsdp", 2, "none", False, "sdpa", "kv2"),
     ("fsdp_lora", "fsdp", 2, "lora", False, "sdpa", "kv2"),
     ("fsdp_packed", "fsdp", 2, "none", True, "sdpa", "kv2"),
+    ("zero3", "deepspeed", 2, "none", False, "sdpa", "kv2"),
 ]
 CASES_4 = [
     ("fsdp_dp2", "fsdp", 2, "none", True, "sdpa", "kv2"),
@@ -34,23 +35,7 @@ CASES_4 = [
 
 
 def _cfg(model_dir: str, strategy: str, sp: int, adapter: str, attention: str, world: int):
-    from trainer.config import load_config
-
-    return load_config(
-        {
-            "model": {
-                "path": model_dir,
-                "adapter": adapter,
-                "attn_implementation": attention,
-                "lora": {"r": 4, "alpha": 8},
-            },
-            "data": {"train_file": "unused.jsonl", "block_size": BLOCK},
-            "train": {"micro_batch_size": ROWS, "max_steps": 2},
-            "strategy": {"name": strategy, "sp": sp},
-            "scaling": {"num_workers": world},
-            "run": {"name": "sp-exact"},
-        }
-    )
+    return sp_exact.job_config(model_dir, strategy, sp, adapter, attention, world, BLOCK, ROWS)
 
 
 def _global_batch(replicas: int, packed: bool) -> tuple[np.ndarray, ...]:
@@ -80,47 +65,20 @@ def _attend(impl: str, segs: list[np.ndarray]) -> dict:
     return packing.attention_inputs(torch.from_numpy(segs[0]), impl)
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def _ranks(rank: int, world: int, store: str, root: str, cases: list) -> None:
-    import torch.distributed as dist
-
-    from trainer.strategies.base import ModelSource, build_strategy
-
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    sp_exact.init_gloo(rank, world, store)
     out = {}
     for name, strategy, sp, adapter, packed, attention, model in cases:
         model_dir = f"{root}/{model}"
         cfg = _cfg(model_dir, strategy, sp, adapter, attention, world)
-        s = build_strategy(cfg, torch.device("cpu"), rank, world)
-        s.setup(ModelSource(Path(model_dir), VOCAB))
-        s.model.train()
-        objective = s.objective
+        s = sp_exact.build(cfg, model_dir, rank, world)
         replica, _ = cfg.data_rank(rank, world)
         batch = _global_batch(world // sp, packed)
         mine = tuple(a[replica * ROWS : (replica + 1) * ROWS] for a in batch)
-        total = torch.tensor(float(objective.count(mine)))
-        dist.all_reduce(total)
-        x, y, kw = objective.inputs(
-            mine, torch.device("cpu"), functools.partial(_attend, attention)
-        )
-        assert x.shape == (ROWS, BLOCK // sp)
-        with s.accumulating(True):
-            loss = s.train_micro(x, y, total / world, **kw)
-        reported = loss.clone()
-        dist.all_reduce(reported)  # the step report: the mean over every rank
-        grads = {
-            n.removeprefix("module."): _full(p.grad).tolist()
-            for n, p in s.model.named_parameters()
-            if p.requires_grad
-        }
-        out[name] = {"loss": float(loss), "reported": float(reported) / world, "grads": grads}
-        s.optimizer.zero_grad()
+        out[name] = sp_exact.train_micro(s, mine, functools.partial(_attend, attention), world)
+        assert out[name]["shape"] == [ROWS, BLOCK // sp], name
         del s
-    Path(f"{root}/out.{world}.{rank}.json").write_text(json.dumps(out))
-    dist.destroy_process_group()
+    sp_exact.write(root, world, rank, out)
 
 
 def _reference(root: Path, case: tuple, world: int) -> tuple[float, dict[str, torch.Tensor]]:
@@ -147,44 +105,18 @@ def _reference(root: Path, case: tuple, world: int) -> tuple[float, dict[str, to
 
 
 def _check(root: Path, world: int, cases: list) -> None:
-    outs = [json.loads((root / f"out.{world}.{r}.json").read_text()) for r in range(world)]
+    outs = sp_exact.read(root, world)
     for case in cases:
-        name, sp = case[0], case[2]
         want_loss, want_grads = _reference(root, case, world)
-        got = outs[0][name]
-        assert abs(got["reported"] - want_loss) < 1e-5, (name, got["reported"], want_loss)
-        if world == sp:  # one replica: every rank reports the whole sequence's loss
-            for o in outs:
-                assert abs(o[name]["loss"] - want_loss) < 1e-5, (name, o[name]["loss"])
-        assert set(got["grads"]) == set(want_grads), name
-        for n, g in got["grads"].items():
-            diff = (torch.tensor(g) - want_grads[n]).abs().max().item()
-            assert diff < 1e-5, (name, n, diff)
-        assert max(want_grads[n].abs().max().item() for n in want_grads) > 1e-3, name
+        sp_exact.assert_matches(outs, case[0], world == case[2], want_loss, want_grads)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
-    from transformers import LlamaForCausalLM
-
-    from tests.support.small_model import tiny_llama
-
-    root = tmp_path_factory.mktemp("sp")
-    kv2 = tiny_llama(0, VOCAB)  # 4 heads, 2 KV heads (grouped-query)
-    kv2.save_pretrained(str(root / "kv2"))
-    conf = kv2.config.to_dict() | {"num_key_value_heads": 4}  # every head its own KV
-    torch.manual_seed(1)
-    LlamaForCausalLM(type(kv2.config)(**conf)).float().save_pretrained(str(root / "kv4"))
-    return root
+    return sp_exact.save_models(tmp_path_factory.mktemp("sp"))
 
 
 @pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4)], ids=["2ranks", "4ranks"])
 def test_sequence_parallel_matches_one_process(models: Path, world: int, cases: list) -> None:
-    mp.start_processes(
-        _ranks,
-        args=(world, str(models / f"store{world}"), str(models), cases),
-        nprocs=world,
-        start_method="spawn",
-        join=True,
-    )
+    sp_exact.spawn(_ranks, world, str(models / f"store{world}"), str(models), cases)
     _check(models, world, cases)

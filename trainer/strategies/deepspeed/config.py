@@ -58,7 +58,11 @@ def resolve(
 
     fill(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size", "")
     fill(ds, "gradient_accumulation_steps", t.grad_accum, "train.grad_accum", "")
-    fill(ds, "train_batch_size", cfg.global_batch, "the global batch", "")
+    # DeepSpeed counts micro batches × every worker; under strategy.sp a group's sp
+    # workers share each row (trainer.parallel.sequence), so its count is sp × the rows'.
+    sp = cfg.strategy.sp
+    batch, named = cfg.global_batch * sp, "the global batch" + (f" × strategy.sp {sp}" * (sp > 1))
+    fill(ds, "train_batch_size", batch, named, "")
     fill(ds, "gradient_clipping", float(o.grad_clip or 0.0), "optim.grad_clip", "")
     for key, enabled in (("bf16", t.precision == "bf16"), ("fp16", t.precision == "fp16")):
         if key in ds:
