@@ -154,7 +154,8 @@ class GRPO:
         self.router = RouterTerm()
         self.model: Any = None
         self.drills: Any = Drills()  # the fault drills' hooks, no-ops unless armed
-        self._micro = (-1, 0)  # (step, micro batches of it run so far)
+        self._micro = (-1, 0)  # (step, micro batches of it run so far), once armed
+        self._in_update: Any = lambda: None  # the update's drill: nothing until armed
 
     def open_feed(self, train: list[str], eval_: list[str], rank: int, world: int) -> Any:
         from trainer.rollouts.feed import RolloutFeed
@@ -171,8 +172,16 @@ class GRPO:
         bind_feed(self.cfg, strategy, feed)
 
     def arm_drills(self, drills: Any) -> None:
-        """trainer.resilience.faults' drills inside the rollout and the update."""
+        """trainer.resilience.faults' drills inside the rollout and the update (a loss
+        run without a feed, as the TRL oracle tests run it, is never armed)."""
         self.drills = self.feed.drills = drills
+        self._in_update = self._count_micro
+
+    def _count_micro(self) -> None:
+        """The update's drill, told which micro batch of the feed's step comes next."""
+        step, done = self._micro if self._micro[0] == self.feed.step else (self.feed.step, 0)
+        self._micro = (step, done + 1)
+        self.drills.in_update(step + 1, done, self.feed.micro_count)
 
     def checkpoint_parts(self) -> dict[str, Any]:
         """The rollout in hand when a checkpoint falls inside a num_iterations group."""
@@ -213,9 +222,7 @@ class GRPO:
         **kw: Any,
     ) -> torch.Tensor:
         assert attention is not None and advantages is not None
-        step, done = self._micro if self._micro[0] == self.feed.step else (self.feed.step, 0)
-        self._micro = (step, done + 1)
-        self.drills.in_update(step + 1, done, self.feed.micro_count)
+        self._in_update()  # a kill drill: the earlier micro batches' backward done
         with self.router.recording(model) as routed:  # a mixture of experts' aux loss
             logps, entropy = completion_logps(
                 model, x, attention, y.shape[1], self.s.temperature, entropy=True

@@ -4,6 +4,7 @@ update's only before its last micro batch), and the weights' digest."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import uuid
@@ -105,3 +106,38 @@ def test_digests_of_a_step(monkeypatch) -> None:
         != drills.digests(model, ["b"])["debug/completions_sha256"]
     )
     assert set(drills.digests(model, [])) == {"debug/weights_sha256"}  # a reused rollout
+
+
+def _fsdp_rank(rank: int, port: int, out: str) -> None:
+    """One of 2 gloo ranks: the digest of a model before and after FSDP2 shards it."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3))
+    whole = faults.weights_digest(model)
+    fully_shard(model)
+    assert type(model[0].weight).__name__ == "DTensor"
+    sharded = faults.weights_digest(model)  # collective: each parameter gathered
+    local = model[0].weight.to_local().numel()
+    Path(f"{out}.{rank}").write_text(json.dumps([whole, sharded, local]))
+    dist.destroy_process_group()
+
+
+def test_weights_digest_gathers_fsdp2_shards(tmp_path) -> None:
+    """Under FSDP2 each rank holds half of every parameter; the digest is the whole
+    model's on both ranks, the one it had before sharding."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_fsdp_rank, args=(port, str(tmp_path / "digest")), nprocs=2)
+    (w0, s0, n0), (w1, s1, n1) = (
+        json.loads((tmp_path / f"digest.{r}").read_text()) for r in range(2)
+    )
+    assert w0 == w1 == s0 == s1
+    assert n0 + n1 == 8 * 6 and n0 < 8 * 6  # the shards were halves
