@@ -74,6 +74,16 @@ def _short_temp_root() -> str:
     return root if len(root) + _SESSION_SUFFIX <= SOCKET_PATH_MAX else "/tmp"
 
 
+def _forget_cached_token() -> None:
+    """Ray's C++ side reads the auth token once per process and keeps it: a second cluster
+    started in the same process (a start made again after a miss, a test's own head after
+    the session's cluster) would be sent the first one's token, and its GCS answers
+    InvalidAuthToken. Make this process read RAY_AUTH_TOKEN_PATH again."""
+    from ray._raylet import AuthenticationTokenLoader
+
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
 class LocalCluster:
     def __init__(
         self,
@@ -148,6 +158,7 @@ class LocalCluster:
         from ray._raylet import Config
 
         Config.initialize("")
+        _forget_cached_token()
 
     def _restore_env(self) -> None:
         for key, value in self._saved_env.items():
@@ -156,6 +167,8 @@ class LocalCluster:
             else:
                 os.environ[key] = value
         self._saved_env.clear()
+        if "ray" in sys.modules:
+            _forget_cached_token()
 
     def start(self, timeout: float = 180.0) -> LocalCluster:
         self.root = Path(tempfile.mkdtemp(prefix="rl-", dir=_short_temp_root()))
