@@ -9,7 +9,8 @@ STAMP := $(VENV)/.raylift-installed
 EXTRAS := train,tools,infra,dev,bench,track
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
-# Two pytest workers, a file each at a time: most of a Ray test's time is single-threaded
+# Two pytest workers, a file each at a time, longest first (tests/support/file_order.py;
+# --no-loadscope-reorder keeps that order): most of a Ray test's time is single-threaded
 # start-up (imports, polls), so a second stream fills the other core.
 TEST_WORKERS ?= 2
 # make test runs the benchmarks too, at smoke size (tests/bench/benchutil.py): a benchmark
@@ -51,8 +52,8 @@ test: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
 	RAYLIFT_BENCH_SMOKE=1 RAYLIFT_TEST_PREBUILD_CPU_ADAM=1 \
-		$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --timeout $(TEST_TIMEOUT) \
-		-m '$(TEST_MARKS)' $(TEST_PATHS) --durations=30 $(PYTEST_ARGS)
+		$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--timeout $(TEST_TIMEOUT) -m '$(TEST_MARKS)' $(TEST_PATHS) --durations=30 $(PYTEST_ARGS)
 
 # The docs site (mkdocs, material theme): every link and anchor checked (--strict).
 docs: $(STAMP)
@@ -68,8 +69,8 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	RAYLIFT_BENCH_SMOKE= RAYLIFT_RAY_DEFAULTS=1 $(BIN)/python -m pytest tests/bench -s -o testpaths=tests/bench
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --timeout $(TEST_TIMEOUT) \
-		-m bench_only $(BENCH_ONLY_TESTS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--timeout $(TEST_TIMEOUT) -m bench_only $(BENCH_ONLY_TESTS)
 
 # Every GPU path (strategies × 1 GPU and all GPUs, bf16) trained, resumed, exported and
 # measured against the planner: docs/gpu-check.md. Without CUDA: the CPU

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support import file_order
 from tests.support.jobs import ROOT, base_job, write_job
 from tests.support.s3 import S3_KEY, S3_SECRET, WeedServer
 from tests.support.slowest_files import TOP as TOP_FILES
@@ -57,34 +58,14 @@ if not os.environ.get("RAYLIFT_RAY_DEFAULTS"):
 # pyarrow's C++ one) ask it for credentials and region when none are set.
 os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 
-# The longest files first: `make test` runs two workers a file at a time, and a long file
-# started last would leave one worker idle while the other finishes it.
-# test_autoscaling.py runs its own Ray head; it must start in a worker before the RAM tier's
-# tests, which connect this process to the token-auth cluster with ray.init (after that,
-# its jobs met a GCS that asked for a token: seen in CI, cause not yet found).
-LONGEST_FIRST = (
-    "test_strategies.py",
-    "test_faults.py",
-    "test_autoscaling.py",
-    "test_memory_tier.py",
-    "test_cadence_faults.py",
-    "test_job_waiting.py",
-    "test_ray_train.py",
-    "test_adapters_sharded.py",
-    "test_gpucheck_cpu.py",
-    "test_parallel.py",
-    "test_packing_loop.py",
-    "test_job_cli.py",
-    "test_data_cluster.py",
-    "test_doctor.py",
-    "test_agent_drain.py",
-    "test_torchrun.py",
-)
-
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
+    """Longest files first (tests/support/file_order.py); `make test` keeps this order."""
+    files = file_order.order(
+        (item.nodeid.split("::", 1)[0] for item in items), file_order.load_seconds()
+    )
+    rank = {f: i for i, f in enumerate(files)}
+    items.sort(key=lambda item: rank[item.nodeid.split("::", 1)[0]])
 
 
 _FILE_TIMES = FileTimes()
@@ -102,6 +83,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     terminalreporter.write_sep("=", f"slowest {TOP_FILES} test files (setup + call + teardown)")
     for line in _FILE_TIMES.lines(TOP_FILES):
         terminalreporter.write_line(line)
+    if os.environ.get("RAYLIFT_FILE_SECONDS_OUT"):  # what file_order.py orders by
+        _FILE_TIMES.write(Path(os.environ["RAYLIFT_FILE_SECONDS_OUT"]))
 
 
 def _shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:

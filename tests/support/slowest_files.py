@@ -5,7 +5,9 @@ and what a cut must bring down. Registered by tests/conftest.py's hooks."""
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 TOP = 10
@@ -24,6 +26,12 @@ class FileTimes:
         self.seconds[path] += float(getattr(report, "duration", 0.0) or 0.0)
         if report.when == "call":
             self.tests[path] += 1
+
+    def write(self, path: Path) -> None:
+        """The whole run's seconds per file as JSON (sorted, rounded): what
+        tests/support/file_order.py orders the next runs by."""
+        ranked = sorted(self.seconds.items(), key=lambda kv: kv[1], reverse=True)
+        path.write_text(json.dumps({p: round(s, 1) for p, s in ranked}, indent=1) + "\n")
 
     def lines(self, top: int = TOP) -> list[str]:
         ranked = sorted(self.seconds.items(), key=lambda kv: kv[1], reverse=True)[:top]
