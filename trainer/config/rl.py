@@ -34,7 +34,8 @@ _PATH_FUNCTION = re.compile(r"^(?P<path>[^:]+\.py):(?P<name>[A-Za-z_][A-Za-z0-9_
 class RewardSpec(_Section):
     function: str = Field(
         description="path/to/file.py:name (a Python function `(prompts, completions, "
-        "**columns) -> list[float]`, the path relative to the job file's folder or absolute) "
+        "**columns) -> list[float]`; the path absolute, or relative to where `raylift run` "
+        "is typed, which makes it absolute at submit) "
         f"or a built-in: {', '.join(BUILTIN_REWARDS)}.",
     )
     weight: float = Field(default=1.0, description="This reward's weight in the summed reward.")
