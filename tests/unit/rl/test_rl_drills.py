@@ -9,6 +9,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from tempfile import gettempdir
 
 import pytest
 import torch
@@ -28,7 +29,8 @@ print("survived")
 
 def _child(env: dict[str, str], run: str, rank: int, hook: str, *args: int) -> int:
     cmd = [sys.executable, "-c", KILL, run, str(rank), hook, *map(str, args)]
-    environ = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env}
+    # TMPDIR as here: the drill's once-per-run marker lives in the temp folder (CI sets one)
+    environ = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "TMPDIR": gettempdir(), **env}
     return subprocess.run(cmd, env=environ, cwd=ROOT, capture_output=True, timeout=120).returncode
 
 
