@@ -10,21 +10,10 @@ import json
 
 import pytest
 
+from tests.support.model_configs import LLAMA3_8B
 from trainer.config import load_config
 from trainer.planner.plan import plan_job
 from trainer.planner.sequence import OBJECTIVES
-
-LLAMA3_8B = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 4096,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "intermediate_size": 14336,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-}
 
 
 def _job(tmp_path, objective: str, micro: int = 1, deepspeed: bool = False, **strategy):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+from tests.support.model_configs import LLAMA3_8B
 from tools.docgen import spfigures
 from trainer.config import load_config
 from trainer.planner.memory import Setup, activation_bytes, logits_bytes
@@ -40,18 +41,7 @@ def test_sp_divides_the_workers_the_block_and_the_kv_heads():
 def _job(tmp_path, **strategy):
     d = tmp_path / "llama3-8b"
     d.mkdir(exist_ok=True)
-    conf = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": 4096,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "intermediate_size": 14336,
-        "vocab_size": 128256,
-        "max_position_embeddings": 131072,
-    }
-    (d / "config.json").write_text(json.dumps(conf))
+    (d / "config.json").write_text(json.dumps(LLAMA3_8B))
     return load_config(
         {
             "model": {"path": str(d)},
