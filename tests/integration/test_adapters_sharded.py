@@ -369,6 +369,7 @@ def _torchrun_job(path: Path, nproc: int, *overrides: str) -> tuple[Any, dict[st
     return submit.absolutize(load_config(path, list(overrides)), Path.cwd()), summary
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_fsdp_lora_matches_ddp_resumes_on_one_worker_and_exports(tiny, tmp_path, ddp_lora):
     """LoRA on FSDP2 takes DDP's 20 steps: 2 workers to step 8, then a fresh run on one
     worker resumes from the adapter-only dcp/2 state (DCP reshards it); the adapter folder
@@ -397,6 +398,7 @@ def test_fsdp_lora_matches_ddp_resumes_on_one_worker_and_exports(tiny, tmp_path,
     assert json.loads((export / "checks.json").read_text())["checks"][0]["passed"]  # FSDP2 merge
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_fsdp_qlora_resumes_exactly_after_a_kill_and_exports(ray_cluster, tiny, tmp_path):
     """QLoRA on FSDP2 (NF4 base, sharded): the last rank is SIGKILLed after step 14, Ray
     restarts the group from step 12's adapter checkpoint with the base quantized afresh,

@@ -140,6 +140,7 @@ def _rule(d: dict[str, Any]) -> Any:
     )
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_cadence_moves_with_a_fault_schedule_and_the_replay_predicts_it(
     ray_cluster, tiny, tmp_path
 ):

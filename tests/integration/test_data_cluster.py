@@ -122,6 +122,7 @@ def test_ray_data_tokenizes_s3_shards_on_both_nodes_like_one_local_file(
     assert 0.2 < float((lab_a == IGNORE).mean()) < 0.8
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_sharded_s3_chat_run_resumes_exactly_and_matches_the_local_file(
     ray_cluster, s3_server, job, corpus, tiny, tmp_path
 ):

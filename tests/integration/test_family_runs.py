@@ -72,6 +72,7 @@ def _export(run: Path) -> Path:
     return run / "export" / f"step_{STEPS:08d}"
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_gemma2_needs_no_attention_setting_on_fsdp2_with_document_attention(tiny, folders, runs):
     from transformers import AutoModelForCausalLM
 
@@ -87,6 +88,7 @@ def test_gemma2_needs_no_attention_setting_on_fsdp2_with_document_attention(tiny
         assert torch.allclose(model(input_ids=x).logits, want, atol=1e-5)
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_phi3_lora_needs_no_targets_on_ddp(tiny, folders, runs):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer

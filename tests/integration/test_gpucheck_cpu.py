@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 ROOT = jobs.ROOT
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_cpu_self_check_trains_resumes_and_exports_every_strategy(ds_cpu_adam, tmp_path):
     out = tmp_path / "gpucheck"
     done = subprocess.run(

@@ -101,6 +101,7 @@ def _check_the_wait(ray_cluster: Any, cfg: Any, client: Any, job_id: str) -> Non
     )
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_an_elastic_job_starts_on_what_is_up_and_grows_when_a_node_joins(
     ray_cluster, tiny, tmp_path
 ):

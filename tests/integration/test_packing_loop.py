@@ -120,6 +120,7 @@ def read_records_at(run: Path) -> list[dict]:
     return read_records(resolve(str(run.parent)).join(run.name, "metrics.jsonl"))
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_mixed_sources_resume_exactly_and_report_per_source(job, tiny, tmp_path):
     """Two sources mixed 3:1 (plain rows and chat rows: document attention by default):
     stopped at step 3 and resumed, the run repeats the uninterrupted run's losses; tokens

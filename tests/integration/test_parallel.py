@@ -138,6 +138,7 @@ def test_interleaved_pipeline_matches_ddp_and_exports_a_shard_per_stage(
     assert state["layout"] == "dcp/2" and state["world_size"] == 2
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_one_worker_accumulating_evaluates_the_same_blocks_as_two(tiny, model4, runs, ddp_curve):
     """The same job on one worker (grad_accum 2 instead of 2 workers): the same losses, and
     the same eval set (train.eval_blocks), so eval_loss agrees to float noise; eval sets

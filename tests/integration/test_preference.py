@@ -75,6 +75,7 @@ def _ultrafeedback(path: Path, rows: int) -> Path:
     return path
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_dpo_learns_preferences_and_survives_kills(ray_cluster, tiny, tmp_path):
     # One source, two files: HH-RLHF text rows and UltraFeedback rows (rendered by a chat
     # template), 320 pairs in all.

@@ -60,6 +60,7 @@ def test_ddp_run_lowers_loss_and_exports_loadable_hf_checkpoint(ddp_reference):
     torch.testing.assert_close(logits, torch.tensor(probe["logits"]), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_resume_is_exact_and_takes_a_newer_complete_checkpoint_than_rays_own(
     ray_cluster, job, ddp_reference
 ):

@@ -18,6 +18,7 @@ LOSS_TOL = 1e-4
 """As test_strategies' FSDP vs DDP: reductions in another order; measured below 1e-5."""
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_sp2_matches_ddp_and_resumes_exactly_after_a_kill(ray_cluster, job, ddp_reference):
     path = job(
         "sp2",

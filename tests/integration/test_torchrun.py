@@ -65,6 +65,7 @@ def test_torchrun_text_format_trains_checkpoints_and_exports(job, tmp_path):
     assert events.stat().st_size > 1000
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_torchrun_trains_on_while_a_checkpoint_uploads(job, tmp_path):
     """Under torchrun a periodic checkpoint uploads in the background: with step 4's upload
     held before its manifests, training goes on to step 8, whose checkpoint then waits for
