@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     from trainer.planner.report import add_arguments
 
     add_arguments(s)
-    from trainer.data.preview import add_arguments as data_arguments
+    from trainer.objectives.preview import add_arguments as data_arguments
 
     data_arguments(sub.add_parser("data", help="the data as the model sees it, on a sample"))
     s = sub.add_parser("doctor", help="check every alive node of the cluster (a Ray job)")
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 0
         if args.command == "data":
-            from trainer.data.preview import run as data_preview
+            from trainer.objectives.preview import run as data_preview
 
             return data_preview(args, sys.stdout)
         as_test = getattr(args, "as_test", False)
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_hangs() -> bool:
-    staging = sys.modules.get("trainer.checkpoint.staging")  # imported by training, not by the CLI
+    staging = sys.modules.get("trainer.storage.staging")  # imported by training, not by the CLI
     return staging is not None and staging.stuck()
 
 

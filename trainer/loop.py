@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.checkpoint.manager import TrainState, staging
+from trainer import faults
+from trainer.checkpoint.manager import TrainState
 from trainer.checkpoint.memory import MemoryTier
 from trainer.checkpoint.publish import Publish
 from trainer.config import JobConfig
@@ -42,10 +43,10 @@ from trainer.model.loading import (
 )
 from trainer.observability.evaluation import Evaluation, all_reduce_sum, target_count
 from trainer.observability.steps import StepReport
-from trainer.resilience import faults
 from trainer.resilience import journal as journal_mod
 from trainer.resilience.attempt import checkpoint_manager, start_attempt
 from trainer.resilience.preemption import PreemptionWatch
+from trainer.storage import staging
 from trainer.strategies.base import ModelSource, Strategy, build_strategy
 
 
@@ -58,7 +59,7 @@ class Prepared:
     eval_caches: list[str] = field(default_factory=list)
     past_faults: dict[str, Any] = field(default_factory=dict)
     """The other runs under storage.path, read once by the driver: their faults and
-    node-hours by pool (trainer.checkpoint.fault_history.Reading.to_dict)."""
+    node-hours by pool (trainer.planner.fault_history.Reading.to_dict)."""
 
     @property
     def train_cache(self) -> str:

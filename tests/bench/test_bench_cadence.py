@@ -6,7 +6,7 @@ ranks, one on each worker node, whose keepers hold each other's snapshots as bud
 storage on the local disk (a shared file system: the metrics file is appended at once,
 so a kill loses no record the goodput split reads). Every config trains the same steps
 and meets the same seeded fault schedule: KILLS worker SIGKILLs at wall times from the
-job's submission (trainer.resilience.faults.KILL_SCHEDULE_ENV), drawn as a Poisson
+job's submission (trainer.faults.KILL_SCHEDULE_ENV), drawn as a Poisson
 process conditioned on KILLS faults within [WINDOW_START, WINDOW_END] seconds (its
 points are uniform order statistics there). The rate the schedule runs at, KILLS ÷
 window, is what `auto` is told (checkpoint.failure_rate_per_hour, the drills' override
@@ -84,8 +84,9 @@ from tests.bench.benchutil import Check, results_dir, run_benchmark, size, smoke
 from tests.support.jobs import base_job
 from tests.support.ray_jobs import history, run_to_end
 from tools.tiny import build_all
+from trainer import faults
 from trainer.observability import goodput
-from trainer.resilience import faults, journal
+from trainer.resilience import journal
 from trainer.storage.location import resolve
 
 # Minutes even at smoke size (a run with a real kill and restart): make bench runs it, make
@@ -320,8 +321,8 @@ def _simulated(runs: dict[str, list[dict[str, float]]]) -> None:
     `auto` measured (its last decision's step time, stalls and inflation) and the restart the runs
     measured (start-up and restore per attempt), over the `auto` runs' paid time;
     labelled as the simulator's in the output and the JSON."""
-    from trainer.checkpoint.cadence import Costs, prior_rates
     from trainer.planner import faults_sim as fs
+    from trainer.planner.cadence import Costs, prior_rates
 
     auto = runs["auto"]
     step_s = median(r["step_s"] for r in auto)

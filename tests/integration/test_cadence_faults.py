@@ -51,11 +51,12 @@ from tests.support.imds import FakeImds, node_agent
 from tests.support.jobs import base_job
 from tests.support.ray_jobs import history, launch, wait_for
 from tools.jobcli.follow import follow
-from trainer.checkpoint.cadence import Costs, Rates, decide, prior_rates
+from trainer import faults
 from trainer.observability import goodput
 from trainer.observability.metrics import lineage
+from trainer.planner.cadence import Costs, Rates, decide, prior_rates
 from trainer.planner.faults_replay import Attempt, replay
-from trainer.resilience import faults, journal
+from trainer.resilience import journal
 from trainer.storage.location import resolve
 
 pytestmark = pytest.mark.slow

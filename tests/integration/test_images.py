@@ -119,6 +119,7 @@ def os_image(engine: engines.Engine) -> str:
     return tag
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_os_image_is_made_from_the_debian_archive(engine: engines.Engine, tmp_path: Path):
     """What a fresh machine does first: mmdebstrap a Debian 12 root filesystem into a
     tarball, import it as an image (the shared OS image above is usually reused, so this

@@ -41,6 +41,7 @@ def _feedback(pairs: Path) -> bytes:
     return "".join(json.dumps(r) + "\n" for r in rows).encode()
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_kto_from_hub_ids_learns_the_desirable_answers(ray_cluster, tiny, tmp_path):
     shared = tmp_path / "shared"
     model_rev = commit(shared / "hub", "model", MODEL, model_files(Path(tiny["model"])))

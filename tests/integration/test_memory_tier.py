@@ -470,6 +470,7 @@ def test_a_keeper_actor_holds_its_own_copy_and_the_driver_helpers_reuse_and_end_
     assert out["ended"] == len(nodes) and out["left"] == [], out
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_raylift_stop_ends_the_keepers(ray_cluster, tiny, tmp_path):
     """A stopped run (Ray's job stop: SIGTERM to the driver, SIGKILL 3 s later) leaves no
     keeper holding a node's memory."""

@@ -149,6 +149,7 @@ def test_one_worker_accumulating_evaluates_the_same_blocks_as_two(tiny, model4, 
     assert _start(runs, "ddp1")["params"] == _start(runs, "ddp")["params"]
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_checkpoint_of_one_layout_resumes_under_another(tiny, model4, runs, ddp_curve):
     """dp=2 × tp=2 trains steps 1-4 and checkpoints; dp=2 × pp=2 (1F1B) resumes from it
     and trains 5-8: the curve over both is DDP's."""

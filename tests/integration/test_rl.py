@@ -4,7 +4,7 @@ completion: about 0.5 for the random model, 1.0 at best), written in a Python fi
 job names by path. The mean reward goes from its start to at least 0.9 of its maximum;
 the metrics carry TRL's names and completions.jsonl a sample with rewards.
 
-Exact resume (trainer.resilience.faults' RL drills), with num_iterations 2 (a rollout
+Exact resume (trainer.faults' RL drills), with num_iterations 2 (a rollout
 serves two steps): one worker is SIGKILLed inside step 7's rollout (sampled, not scored) in
 the first attempt, and inside step 8's update (one micro batch's gradients accumulated, the
 optimizer step not run) in the second; each attempt resumes from the step-5 checkpoint,
@@ -23,7 +23,7 @@ import pytest
 
 from tests.support.jobs import write_job
 from tests.support.ray_jobs import history, run_to_end
-from trainer.resilience import faults
+from trainer import faults
 from trainer.runtime.worker import run_location
 
 pytestmark = pytest.mark.slow

@@ -226,6 +226,7 @@ def test_deepspeed_kill_resume_export(ray_cluster, job, ddp_losses, config, requ
         assert len(optim) == 2, optim  # one partition per rank
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_template_nvme_offload_is_refused_before_any_worker_starts(ray_cluster, job, capsys):
     """The template's 70B file offloads the optimizer to /mnt/local_storage/zero. Where
     the worker nodes lack that folder (or DeepSpeed's async_io op, which needs libaio),
@@ -305,6 +306,7 @@ def test_lora_adapter_and_merged_exports_reproduce_logits(ray_cluster, job, tiny
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.bench_only  # issue 56: docs/development.md
 def test_qlora_eval_mid_training_changes_nothing_and_resume_is_exact(ray_cluster, job, tiny):
     """bitsandbytes 0.50.2 rewrites Linear4bit weights in place when they run in eval mode
     on avx512_bf16 CPUs. The run evaluates every 2 steps and its last rank is killed after

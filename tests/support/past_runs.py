@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from trainer.checkpoint import fault_history
+from trainer.planner import fault_history
 from trainer.resilience.journal import Journal
 from trainer.storage.location import Location
 

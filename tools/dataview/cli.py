@@ -10,7 +10,7 @@ from trainer.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.data.preview import add_arguments, run
+    from trainer.objectives.preview import add_arguments, run
 
     p = argparse.ArgumentParser(
         prog="raylift data",

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from tools.docgen.block import Block
-from trainer.checkpoint.cadence import SPOT_BANDS
 from trainer.config import JobConfig
 from trainer.planner import faults_sim as fs
+from trainer.planner.cadence import SPOT_BANDS
 from trainer.planner.catalog import get_instance
 from trainer.planner.plan import plan_job
 from trainer.planner.shape import LLAMA2_7B_CONFIG

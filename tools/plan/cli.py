@@ -7,7 +7,7 @@ cheapest catalog layout that fits and what an epoch costs.
 
 The same code as `python -m trainer plan` and as submit's refusal (trainer.planner). Under
 the plan: the goodput a seeded simulation of faults expects (trainer.planner.faults_sim),
-at failure rates the past runs under storage.path moved (trainer.checkpoint.fault_history);
+at failure rates the past runs under storage.path moved (trainer.planner.fault_history);
 with --days and --nodes, auto against fixed checkpoint intervals at that size. Exit status:
 0 when the job fits (or is tight), 2 when it does not or the input is bad.
 """
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from trainer.checkpoint.fault_history import Reading, read_storage
+    from trainer.planner.fault_history import Reading, read_storage
     from trainer.planner.faults_sim import plan_lines  # goodput predicted (issue 49)
 
     st = cfg.storage  # the past runs there move the failure rates, as they move a run's

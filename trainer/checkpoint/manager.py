@@ -35,15 +35,15 @@ import numpy as np
 import pyarrow.fs as pafs
 import torch
 
-from trainer.checkpoint import staging
+from trainer import faults
 from trainer.errors import CheckpointError
-from trainer.resilience import faults
+from trainer.storage import staging
 from trainer.storage.local import scratch_dir
 from trainer.storage.location import Location
+from trainer.storage.staging import STATE_FILE
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "trainer_state.json"
 FORMAT = 2
 """Version of the checkpoint layout; 1 was the HF-folder-inside-the-checkpoint layout."""
 EXPORT_DIR = "export"
@@ -229,7 +229,7 @@ class Stateful(Protocol):
 
     A part whose state is large may also have `stage(out, rank) -> Writer | None`: copy
     the state now (training then goes on) and return what writes it under `out` later,
-    on the background thread (`trainer.checkpoint.staging`)."""
+    on the background thread (`trainer.storage.staging`)."""
 
     def save(self, out: Path, rank: int) -> None: ...
 
@@ -379,7 +379,7 @@ class CheckpointManager:
         cadence: Any = None,
     ):
         """`every`: steps between checkpoints, None (only at the end) or "auto" (the
-        `cadence` decides); `cadence` (trainer.checkpoint.cadence.Cadence) also measures
+        `cadence` decides); `cadence` (trainer.planner.cadence.Cadence) also measures
         every save's stall and write, of either tier."""
         self.cadence = cadence
         self.identity = identity
@@ -407,7 +407,7 @@ class CheckpointManager:
         uploads it; `out`: a folder to use instead, the RAM tier's in memory) and its
         manifest. Collective: every rank calls it. Parts that stage
         are only copied here; their files and the manifest are written in the background
-        (`trainer.checkpoint.staging`), and the runtime's upload waits for them."""
+        (`trainer.storage.staging`), and the runtime's upload waits for them."""
         step = self.train_state.step
         started = time.monotonic()
         tier = "memory" if extra.get("snapshot") else "storage"

@@ -52,9 +52,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import staging
+from trainer import faults
 from trainer.checkpoint.keeper import BUDDY, OWN, Keeper
-from trainer.resilience import faults
+from trainer.storage import staging
 from trainer.storage.local import scratch_dir
 
 log = logging.getLogger(__name__)
@@ -214,12 +214,12 @@ class MemoryTier:
     Off (every call a no-op) unless on Ray Train with memory_every > 0."""
 
     def __init__(self, cfg: Any, rt: Any, manager: Any, device: Any):
-        from trainer.checkpoint.cadence import memory_tier_on
+        from trainer.planner.cadence import memory_tier_on
 
         self.rt, self.manager, self.device = rt, manager, device
         on = manager.enabled and memory_tier_on(cfg, getattr(rt, "under_ray", False))
         every = cfg.checkpoint.memory_every
-        self.auto = on and every == "auto"  # the cadence decides (trainer.checkpoint.cadence)
+        self.auto = on and every == "auto"  # the cadence decides (trainer.planner.cadence)
         self.every = every if on and isinstance(every, int) else 0
         self.active = self.auto or self.every > 0
         self.cadence = manager.cadence

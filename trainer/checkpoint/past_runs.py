@@ -3,7 +3,7 @@
 rank reading storage itself would list and read up to `fault_history.MAX_RUNS` runs'
 journals per rank per attempt). Read through the storage Location's pyarrow filesystem
 (local, EFS or S3), the way `trainer.resilience.journal.read` reads one run's journal;
-`trainer.checkpoint.fault_history` turns the journals into evidence (and stays free of
+`trainer.planner.fault_history` turns the journals into evidence (and stays free of
 pyarrow for the laptop's `raylift plan`)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from trainer.checkpoint.fault_history import JOURNAL_DIR, Reading, collect, short, stamp
+from trainer.planner.fault_history import JOURNAL_DIR, Reading, collect, short, stamp
 from trainer.storage.location import Location, resolve
 
 log = logging.getLogger(__name__)

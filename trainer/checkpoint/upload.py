@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer.resilience import faults
+from trainer import faults
 from trainer.storage.location import Location, short_error
 from trainer.storage.retry import UploadError, transient_retries
 from trainer.storage.transfer import put_file as put_file  # tests/integration/test_faults

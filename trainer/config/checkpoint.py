@@ -106,7 +106,7 @@ class CheckpointSection(_Section):
     @property
     def memory_tier(self) -> bool:
         """Whether the RAM tier may be on (a number > 0, or auto); the runtime and the
-        strategy decide the rest (trainer.checkpoint.cadence.memory_tier_on)."""
+        strategy decide the rest (trainer.planner.cadence.memory_tier_on)."""
         return self.memory_every == "auto" or self.memory_every > 0
 
 

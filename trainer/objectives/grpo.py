@@ -172,7 +172,7 @@ class GRPO:
         bind_feed(self.cfg, strategy, feed)
 
     def arm_drills(self, drills: Any) -> None:
-        """trainer.resilience.faults' drills inside the rollout and the update (a loss
+        """trainer.faults' drills inside the rollout and the update (a loss
         run without a feed, as the TRL oracle tests run it, is never armed)."""
         self.drills = self.feed.drills = drills
         self._in_update = self._count_micro

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 KILL_IN_REFERENCE_ENV = "RAYLIFT_FAULT_KILL_IN_REFERENCE"
 """A fault drill: =N makes the last rank SIGKILL itself after its Nth batch of the
-reference pass, once per run (see trainer.resilience.faults for the others)."""
+reference pass, once per run (see trainer.faults for the others)."""
 
 
 def reference_key(cfg: JobConfig, model_dir: Path) -> str:
@@ -132,7 +132,7 @@ def compute_reference(
 
 def _kill_batch(rt: Any) -> int:
     """The drill's batch, on the last rank only, and once per run (a marker file beside
-    the machine's temp files, as trainer.resilience.faults' drills do); 0 otherwise."""
+    the machine's temp files, as trainer.faults' drills do); 0 otherwise."""
     at = int(os.environ.get(KILL_IN_REFERENCE_ENV, "0") or 0)
     if not at or rt.rank != rt.world_size - 1 or _marker(rt, at).exists():
         return 0

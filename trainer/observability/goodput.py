@@ -12,7 +12,7 @@ split, from the run's metrics file and journal alone, into:
 - `lost/<cause>`: steps trained and then thrown away by a fault, plus the time from the
   last step to the failure (`worker kill`, `node loss`, `drained notice`, `driver loss`),
 - `ckpt/storage` and `ckpt/memory`: the checkpoint stalls of each tier, and where the
-  run's cadence measured it (`auto` intervals: trainer.checkpoint.cadence), the step time
+  run's cadence measured it (`auto` intervals: trainer.planner.cadence), the step time
   each save's write in flight added to the steps after it (its inflation, taken from
   those steps: a snapshot per metrics record that stalled for one, a storage checkpoint
   per step the journal records one of),

@@ -4,7 +4,7 @@ schedule instead of sampled failures, step by step, with the run's own cadence c
 `faults_sim` draws failures from Poisson processes and takes each tier's interval as fixed,
 its phase averaged. A replay takes the faults a run met (the step each attempt ended at, its
 cause, what the restart took) and the costs each attempt measured, and runs the same steps
-through `trainer.checkpoint.cadence.Cadence` on a clock of its own: the same warm-up, the
+through `trainer.planner.cadence.Cadence` on a clock of its own: the same warm-up, the
 same "measuring" saves at the first attempt's start (a later one starts from the costs
 the last journaled decision measured), the same Young/Daly decisions and burst after
 two faults, the writes landing `*_write_s` after their saves. A save that comes due while
@@ -28,7 +28,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.checkpoint.cadence import (
+from trainer.planner.cadence import (
     BURST_S,
     DRAINED_CAUSES,
     MAX_INTERVAL_S,
@@ -207,7 +207,7 @@ def _cadence_for(
     decisions: list[dict[str, Any]],
     memory_tier: bool,
 ) -> Cadence:
-    """The attempt's cadence as trainer.checkpoint.cadence.for_run builds it: the prior
+    """The attempt's cadence as trainer.planner.cadence.for_run builds it: the prior
     moved by the faults so far, the costs of the last decision journaled, and a burst when
     enough came within BURST_S."""
     counts: dict[str, int] = {}

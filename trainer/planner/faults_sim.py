@@ -1,11 +1,11 @@
 """Goodput predicted: a seeded Monte Carlo of failures over a run, for the cadence `auto`
-chooses (trainer.checkpoint.cadence, the same rule the run uses) against fixed intervals.
+chooses (trainer.planner.cadence, the same rule the run uses) against fixed intervals.
 
 A run of `days` on `nodes` nodes trains steps of `step_s` seconds; every `memory_every`
 steps the RAM tier costs it `memory_stall_s` and the inflation its trip causes
 (`Costs.cost`), every `storage_every` steps storage its own. Failures arrive as Poisson
 processes at the rates each tier covers
-(trainer.checkpoint.cadence.prior_rates): a RAM-tier failure (a worker kill, a node lost)
+(trainer.planner.cadence.prior_rates): a RAM-tier failure (a worker kill, a node lost)
 restores the newest snapshot (with the RAM tier off, the newest storage checkpoint); a
 storage failure (a buddy pair, the cluster, the driver) the newest storage checkpoint, or
 step 0 when storage saves only at the end; a drained notice loses no step. Each failure
@@ -26,7 +26,7 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from trainer.checkpoint.cadence import (
+from trainer.planner.cadence import (
     MAX_INTERVAL_S,
     RAM,
     STORAGE,
@@ -188,7 +188,7 @@ def scenario_for_plan(
 ) -> Scenario | None:
     """The scenario a plan describes: its layout's nodes (or `nodes` of its node type),
     the state bytes it stages per rank, its throughput and price; None without a layout.
-    `past` (trainer.checkpoint.fault_history.Reading): the past runs under storage.path,
+    `past` (trainer.planner.fault_history.Reading): the past runs under storage.path,
     whose faults on the node type's pool move the rates as they move a run's."""
     lay = plan.layout or plan.cheapest
     if lay is None:
@@ -225,7 +225,7 @@ def scenario_for_plan(
     )
     rates_from = ""
     if past is not None:
-        from trainer.checkpoint import fault_history
+        from trainer.planner import fault_history
 
         rates, rates_from = fault_history.plan_rates(
             rates, past, node.instance, market, n_nodes, band, cfg.checkpoint.failure_rate_per_hour

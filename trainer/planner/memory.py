@@ -74,7 +74,7 @@ class HostMemory:
     """Only on rank 0's node: the full model consolidated on CPU to write the export."""
     staging: float = 0.0
     """Every rank: the host-memory copy of its resume state that a checkpoint stages
-    while the background thread writes it (trainer.checkpoint.staging): FSDP's shard, ZeRO's
+    while the background thread writes it (trainer.storage.staging): FSDP's shard, ZeRO's
     optimizer partition."""
     staging_rank0: float = 0.0
     """Rank 0 only: the same for DDP and adapters, whose rank 0 writes the whole state,
@@ -434,7 +434,7 @@ def _keeper_bytes(staged: dict[str, float]) -> dict[str, float]:
 
 
 def _staging_bytes(shape: ModelShape, s: Setup) -> dict[str, float]:
-    """The staging copy of one checkpoint (trainer.checkpoint.staging): fp32 trainable weights and
+    """The staging copy of one checkpoint (trainer.storage.staging): fp32 trainable weights and
     their optimizer state, in host RAM until the background write is done. FSDP stages
     each rank's shard (DCP async_save); DDP and adapters stage on rank 0 only; ZeRO-2/3
     stage each rank's optimizer partition (fp32 master + moments: what DeepSpeed's

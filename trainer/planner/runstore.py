@@ -35,7 +35,7 @@ class _LocalRuns:
 class S3Runs:
     """The same listing over S3 with boto3: one request for the runs, two per run. Its
     public methods (`folders`, `objects`, `text`) are what other readers of the runs use
-    (the past runs' journals, trainer.checkpoint.fault_history): botocore's errors come
+    (the past runs' journals, trainer.planner.fault_history): botocore's errors come
     out as `Unreadable`, one line."""
 
     def __init__(self, uri: str, endpoint: str | None, region: str | None):

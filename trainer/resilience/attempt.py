@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.checkpoint import fault_history
+from trainer import faults
 from trainer.checkpoint import manager as ckpt_mod
 from trainer.checkpoint.manager import (
     CheckpointManager,
@@ -42,7 +42,8 @@ from trainer.observability.metrics import (
 from trainer.observability.steps import StepReport
 from trainer.observability.tracking.trackers import open_tracker
 from trainer.observability.workerstats import WorkerStats
-from trainer.resilience import cadence_setup, faults
+from trainer.planner import fault_history
+from trainer.resilience import cadence_setup
 from trainer.resilience import journal as journal_mod
 
 if TYPE_CHECKING:
@@ -235,7 +236,7 @@ def _journal_attempt(
     metrics file as earlier attempts left it; `trained_to`, a step known trained beyond
     it (the RAM tier's newest snapshot), -1 if none. `began` (when the worker process
     started) and `restore_s` split the time before it for goodput. `pool`: the nodes it
-    runs on, for later runs' failure rates (trainer.checkpoint.fault_history)."""
+    runs on, for later runs' failure rates (trainer.planner.fault_history)."""
     if rt.journal is None:
         return
     previous = [r for r in history if r.get("event") == "train"]

@@ -1,5 +1,5 @@
 """The run's cadence component, built from the job, the runtime and the run's failure
-journal (the loop's side of `trainer.checkpoint.cadence`, which stays pure for the planner
+journal (the loop's side of `trainer.planner.cadence`, which stays pure for the planner
 and its simulator). It lives beside the journal it reads and the attempt's start that
 builds it, above the checkpoint package, whose cadence it configures."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from trainer.checkpoint import fault_history
-from trainer.checkpoint.cadence import Cadence, for_run, memory_tier_on, spot_band_of
+from trainer.planner import fault_history
+from trainer.planner.cadence import Cadence, for_run, memory_tier_on, spot_band_of
 from trainer.resilience import journal as journal_mod
 
 

@@ -14,7 +14,7 @@ Readers merge the files by time. Events (each a JSON object with `time`, `event`
   (wall time from the last step before the failure to the first step of this attempt),
   `pool` (rank 0's node: `instance_type`, `market`, `nodes`, `gpus_per_node`, and a
   drill's `drill_rate_per_hour`; what later runs' cadences count its faults for:
-  trainer.checkpoint.fault_history).
+  trainer.planner.fault_history).
 - `failure`: the controller saw the worker group fail: `cause` (`worker_died`,
   `node_lost`, `preempted`, `error`), `ranks`, `message`.
 - `preemption`: a spot notice reached the loop: `step`, `deadline_s` (seconds left when

@@ -1,5 +1,5 @@
 """A rebalance recommendation reaches the running job: its checkpoint intervals shorten for a
-while (trainer.checkpoint.cadence's burst).
+while (trainer.planner.cadence's burst).
 
 EC2 sends a rebalance recommendation when a spot instance's capacity pool is at an elevated
 risk of interruption, sometimes well before the two-minute notice. Only the node agent
@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.cadence import BURST_S
+from trainer.planner.cadence import BURST_S
 
 log = logging.getLogger("trainer")
 

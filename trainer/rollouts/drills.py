@@ -2,7 +2,7 @@
 a rollout or of the update, a digest of the weights and completions to compare attempts).
 
 Rollouts and objectives sit below trainer.resilience, which owns the drills
-(trainer.resilience.faults); these no-op hooks are what a run has until an attempt arms
+(trainer.faults); these no-op hooks are what a run has until an attempt arms
 real ones, so a step calls them unconditionally and never branches on a drill."""
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ class RolloutFeed:
         self.stats: list[RolloutStats] = []
         self.first: Any = None
         self.step = -1  # the step (0-based) whose micro batches were asked for last
-        self.drills: Any = Drills()  # fault drills' hooks (trainer.resilience.faults)
+        self.drills: Any = Drills()  # fault drills' hooks (trainer.faults)
 
     # ---------------------------------------------------------------- set-up
 

@@ -17,12 +17,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from trainer import preflight
+from trainer import faults, preflight
 from trainer.config import JobConfig
 from trainer.data.tokenize import Settings, prepare, read_chat_template
 from trainer.errors import UserError
 from trainer.loop import Prepared
-from trainer.resilience import faults
 from trainer.runtime.worker import run_location
 
 log = logging.getLogger("trainer.runtime.launch")
@@ -252,7 +251,7 @@ def _keepers(cfg: JobConfig, run_uri: str) -> Iterator[None]:
     ends: finished, failed, or stopped (`raylift stop` sends the driver SIGTERM, then
     SIGKILL 3 s later: the handler ends the keepers at once, before fit() unwinds)."""
     from trainer.checkpoint import memory
-    from trainer.checkpoint.cadence import memory_tier_on
+    from trainer.planner.cadence import memory_tier_on
 
     if not memory_tier_on(cfg, ray_train=True):
         yield

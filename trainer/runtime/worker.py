@@ -20,13 +20,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from trainer import faults
 from trainer.checkpoint import manager as ckpt_mod
-from trainer.checkpoint import staging
 from trainer.checkpoint.upload import upload_checkpoint
 from trainer.config import JobConfig
 from trainer.errors import UserError
-from trainer.resilience import faults
 from trainer.resilience.journal import Journal
+from trainer.storage import staging
 from trainer.storage.local import scratch_dir
 from trainer.storage.location import Location, download_dir, resolve
 from trainer.storage.retry import retrying

@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.checkpoint import staging
 from trainer.config import JobConfig
 from trainer.errors import CheckpointError
 from trainer.model import adapters
 from trainer.model.loading import load_model
 from trainer.objectives import linear_ce
+from trainer.storage import staging
 from trainer.strategies.base import ModelSource
 from trainer.strategies.common import (
     Evaluating,
@@ -118,7 +118,7 @@ class DDPStrategy(ModelCalls):
 
     def stage_state(self, out: Path, rank: int) -> staging.Writer | None:
         """A host-memory copy of the trainable weights and the optimizer state, written
-        by the background thread (trainer.checkpoint.staging); rank 0 only, as `save_state`."""
+        by the background thread (trainer.storage.staging); rank 0 only, as `save_state`."""
         if rank != 0:
             return None
         buffers = self._stager.claim()

@@ -42,11 +42,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import staging
 from trainer.config import FSDPOptions, JobConfig
 from trainer.errors import CheckpointError
 from trainer.model import adapters
 from trainer.model.loading import full_state_dict, model_config
+from trainer.storage import staging
 from trainer.strategies.base import ModelSource
 from trainer.strategies.common import (
     Evaluating,
@@ -342,7 +342,7 @@ class FSDPStrategy(ModelCalls):
         state, _ = self._state()
         gpu = self.device.type == "cuda"
         # One stager for the run: it keeps its host copies and copies the next save into
-        # them (trainer.checkpoint.staging.Stager says why), which is safe because the save before
+        # them (trainer.storage.staging.Stager says why), which is safe because the save before
         # has finished reading them (above).
         stager = getattr(self, "_dcp_stager", None)
         if stager is None:

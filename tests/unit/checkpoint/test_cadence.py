@@ -1,4 +1,4 @@
-"""The checkpoint cadence rule (trainer.checkpoint.cadence): Young/Daly per tier with the
+"""The checkpoint cadence rule (trainer.planner.cadence): Young/Daly per tier with the
 failure rates each tier covers, the overhead guard, the storage-write floor, the multiple,
 bursts, and the journaled decisions. A constant interval fails every one of these."""
 
@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from trainer.checkpoint import cadence as cad
-from trainer.checkpoint.cadence import Cadence, Costs, Rates, decide
+from trainer.planner import cadence as cad
+from trainer.planner.cadence import Cadence, Costs, Rates, decide
 
 HOUR = 3600.0
 

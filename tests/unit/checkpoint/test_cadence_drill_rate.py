@@ -1,6 +1,6 @@
 """A known failure rate for drills and benches (checkpoint.failure_rate_per_hour): the
 cadence starts from it instead of the pool's prior, the planner's simulator does too, and
-faults that come at the rate the run expects are not a burst (trainer.checkpoint.cadence)."""
+faults that come at the rate the run expects are not a burst (trainer.planner.cadence)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from trainer.checkpoint import cadence as cad
-from trainer.checkpoint.cadence import Cadence, Costs, decide
 from trainer.config import JobConfig
+from trainer.planner import cadence as cad
+from trainer.planner.cadence import Cadence, Costs, decide
 
 
 def _for_run(records: list[dict], rate: float | None, journal=None) -> Cadence:

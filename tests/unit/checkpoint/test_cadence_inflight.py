@@ -1,4 +1,4 @@
-"""What the cadence does with writes still in flight (trainer.checkpoint.cadence): a save
+"""What the cadence does with writes still in flight (trainer.planner.cadence): a save
 due while its tier's write travels on any rank waits for it, training on, and the ranks
 agree on that through the step's all-reduce; a step's time is measured without what held
 the training thread outside the step (a synchronous upload is part of its save's stall, a
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.checkpoint import cadence as cad
-from trainer.checkpoint.cadence import Cadence, Rates
+from trainer.planner import cadence as cad
+from trainer.planner.cadence import Cadence, Rates
 from trainer.planner.faults_replay import Attempt, replay
 
 

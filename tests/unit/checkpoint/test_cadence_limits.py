@@ -1,4 +1,4 @@
-"""The cadence's limits and its outside signals (trainer.checkpoint.cadence): the storage
+"""The cadence's limits and its outside signals (trainer.planner.cadence): the storage
 interval's wall-time cap (checkpoint.max_interval_s) and a rebalance recommendation that
 shortens the intervals of the running job (trainer.resilience.rebalance)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from trainer.checkpoint import cadence as cad
-from trainer.checkpoint.cadence import Cadence, Costs, Rates, decide
+from trainer.planner import cadence as cad
+from trainer.planner.cadence import Cadence, Costs, Rates, decide
 
 HOUR = 3600.0
 

@@ -1,6 +1,6 @@
 """The cadence's failure rates learn from the cluster's past runs (issue 49): the journals
 of the other runs under storage.path, on the same pool, pooled per node with the run's
-own (trainer.checkpoint.fault_history), read once by the driver (past_runs) and handed to
+own (trainer.planner.fault_history), read once by the driver (past_runs) and handed to
 every rank (cadence_setup.for_job). Real journal files, written by the real Journal."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from tests.support.past_runs import SPOT, H, T, attempt, write_past_runs
-from trainer.checkpoint import cadence as cad
-from trainer.checkpoint import fault_history, past_runs
+from trainer.checkpoint import past_runs
+from trainer.planner import cadence as cad
+from trainer.planner import fault_history
 from trainer.resilience import cadence_setup
 from trainer.resilience import journal as journal_mod
 from trainer.resilience.journal import Journal

@@ -1,4 +1,4 @@
-"""Checkpoint staging (trainer.checkpoint.staging): a checkpoint holds the state as it was when the
+"""Checkpoint staging (trainer.storage.staging): a checkpoint holds the state as it was when the
 step saved it, however far training has moved on while the background thread writes it;
 the manifest comes only after the files; a failed write fails the upload's wait. One
 process, a real DDP strategy on a tiny Llama, no Ray."""
@@ -19,7 +19,7 @@ import torch
 from tests.support.jobs import ROOT
 from tests.support.small_model import VOCAB, small_strategy
 from trainer.checkpoint import manager as ck
-from trainer.checkpoint import staging
+from trainer.storage import staging
 
 
 def _train_step(s, seed: int) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.checkpoint.cadence import Rates
+from trainer.planner.cadence import Rates
 from trainer.planner.faults_replay import Attempt, replay
 
 # Young's intervals at a 1 s step: the RAM tier every 10 steps (9.5 s: C 0.025 s, M 1805 s),

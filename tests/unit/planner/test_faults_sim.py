@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from trainer.checkpoint.cadence import Costs, Rates, expected_waste, prior_rates
 from trainer.planner import faults_sim as fs
+from trainer.planner.cadence import Costs, Rates, expected_waste, prior_rates
 
 
 def _scenario(nodes: int = 64, days: float = 3.0, band: str | None = "10-15%") -> fs.Scenario:

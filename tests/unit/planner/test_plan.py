@@ -378,7 +378,7 @@ def test_submit_skips_the_plan_when_its_inputs_are_only_on_the_cluster(tmp_path,
 
 def test_checkpoint_staging_copy_is_counted_in_host_ram():
     """A checkpoint stages a host copy of the resume state while it is written in the
-    background (trainer.checkpoint.staging): FSDP every rank's fp32 shard and its Adam moments
+    background (trainer.storage.staging): FSDP every rank's fp32 shard and its Adam moments
     (12 B per param / N), DDP the whole state on rank 0 only, ZeRO-2/3 each rank's
     optimizer partition (fp32 master + moments, 12 B / N) and ZeRO-2's rank 0 the bf16
     module weights (2 B per param)."""

@@ -14,8 +14,9 @@ import pytest
 
 from tests.support.jobs import llama7b_job
 from tests.support.past_runs import write_past_runs
-from trainer.checkpoint import cadence as cad
-from trainer.checkpoint import fault_history, past_runs
+from trainer.checkpoint import past_runs
+from trainer.planner import cadence as cad
+from trainer.planner import fault_history
 from trainer.storage.location import resolve
 
 

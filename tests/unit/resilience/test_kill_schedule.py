@@ -1,4 +1,4 @@
-"""The wall-time fault schedule (RAYLIFT_FAULT_KILL_SCHEDULE, trainer.resilience.faults): the
+"""The wall-time fault schedule (RAYLIFT_FAULT_KILL_SCHEDULE, trainer.faults): the
 cadence bench's kills, the same for every config it compares. Each scheduled kill fires
 once, on the last rank only, at the first logged step at or after its time."""
 
@@ -11,10 +11,10 @@ import sys
 import time
 
 from tests.support.jobs import ROOT
-from trainer.resilience import faults
+from trainer import faults
 
 CALL = (
-    "import sys; from trainer.resilience import faults; "
+    "import sys; from trainer import faults; "
     "faults.kill_after_step(int(sys.argv[1]), 2, 7, None, lambda: None, lambda: None); "
     "print('alive')"
 )

@@ -1,4 +1,4 @@
-"""RAYLIFT_FAULT_MIN_STEP_S=SECONDS:PATH (trainer.resilience.faults.min_step): until PATH
+"""RAYLIFT_FAULT_MIN_STEP_S=SECONDS:PATH (trainer.faults.min_step): until PATH
 exists, each training step is padded to SECONDS, so a test's run outlasts what it waits
 for on a fast machine; a slower step, or any step once PATH exists, is left alone."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.resilience import faults
+from trainer import faults
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,8 @@ import time
 from types import SimpleNamespace
 
 from tests.support.imds import FakeImds
-from trainer.checkpoint import cadence as cad
-from trainer.checkpoint.cadence import Cadence, Rates
+from trainer.planner import cadence as cad
+from trainer.planner.cadence import Cadence, Rates
 from trainer.resilience import agent, journal
 from trainer.resilience.preemption import PreemptionWatch
 from trainer.resilience.rebalance import WHY, RebalanceWatch, read_notice, write_notice

@@ -314,7 +314,7 @@ def test_fault_hold_stops_an_upload_before_its_manifests_until_released(tmp_path
     until the release file appears; a checkpoint of another step is never held."""
     import threading
 
-    from trainer.resilience import faults
+    from trainer import faults
 
     release = tmp_path / "release"
     monkeypatch.setenv("RAYLIFT_FAULT_HOLD", f"4:{release}")

@@ -1,10 +1,10 @@
-"""RAYLIFT_FAULT_SLOW_STORAGE=PATH:SECONDS (trainer.resilience.faults): a storage slowdown a
+"""RAYLIFT_FAULT_SLOW_STORAGE=PATH:SECONDS (trainer.faults): a storage slowdown a
 test switches on and off mid-run by making and removing PATH; every upload that starts
 meanwhile pauses SECONDS more (on top of RAYLIFT_FAULT_UPLOAD_PAUSE_S)."""
 
 from __future__ import annotations
 
-from trainer.resilience import faults
+from trainer import faults
 
 
 def test_uploads_slow_down_while_the_file_exists(tmp_path, monkeypatch) -> None:

@@ -1,4 +1,4 @@
-"""The fault drills inside an online RL step (trainer.resilience.faults.RLDrills): their
+"""The fault drills inside an online RL step (trainer.faults.RLDrills): their
 specs, the SIGKILL itself (in a child process: once per run, only the last rank, the
 update's only before its last micro batch), and the weights' digest."""
 
@@ -14,13 +14,13 @@ from tempfile import gettempdir
 import pytest
 import torch
 
-from trainer.resilience import faults
+from trainer import faults
 
 ROOT = Path(__file__).resolve().parents[3]
 
 KILL = """
 import sys
-from trainer.resilience.faults import RLDrills
+from trainer.faults import RLDrills
 d = RLDrills(sys.argv[1], int(sys.argv[2]), 2)
 getattr(d, sys.argv[3])(*map(int, sys.argv[4:]))
 print("survived")

@@ -44,7 +44,7 @@ class InstanceType(BaseModel):
     spot_interruption_band: Literal["<5%", "5-10%", "10-15%", "15-20%", ">20%"] | None = Field(
         default=None,
         description="AWS's spot interruption frequency band (share interrupted per month): "
-        "the prior of the checkpoint cadence (trainer.checkpoint.cadence)",
+        "the prior of the checkpoint cadence (trainer.planner.cadence)",
     )
 
     @model_validator(mode="after")

@@ -23,7 +23,7 @@ A checkpoint step does not write those files: `engine.save_checkpoint` runs as u
 barriers, its folders, its choice of which rank writes what) with a checkpoint engine
 that copies each state dict it is handed into host memory instead of serialising it; the
 engine's own checkpoint engine then writes the copies on the background thread
-(trainer.checkpoint.staging): the same files, with the same serialisation (a file can be smaller:
+(trainer.storage.staging): the same files, with the same serialisation (a file can be smaller:
 the copies are compact where DeepSpeed would have pickled a view's whole storage).
 
 On CPU (`DS_ACCELERATOR=cpu`, gloo) DeepSpeed JIT-compiles its C++ ops on first use
@@ -44,12 +44,12 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import staging
 from trainer.config import DeepSpeedOptions, JobConfig
 from trainer.errors import CheckpointError, UserError
 from trainer.model import adapters
 from trainer.model.loading import DTYPES, load_model, model_config
 from trainer.objectives import linear_ce
+from trainer.storage import staging
 from trainer.strategies.base import ModelSource, param_groups
 from trainer.strategies.common import (
     Evaluating,
@@ -400,7 +400,7 @@ def _written_by(ckpt: Path) -> int | None:
     """The world size that wrote the checkpoint whose strategy folder is `ckpt`."""
     import json
 
-    from trainer.checkpoint.manager import STATE_FILE
+    from trainer.storage.staging import STATE_FILE
 
     state_file = ckpt.parent / STATE_FILE
     if not state_file.is_file():
@@ -433,7 +433,7 @@ def _staging_engine_class() -> type:
 
     class StagingCheckpointEngine(CheckpointEngine):
         """For one save: `save(state_dict, path)` keeps a host-memory copy
-        (trainer.checkpoint.staging.snapshot: every tensor copied, so the optimizer may step on)
+        (trainer.storage.staging.snapshot: every tensor copied, so the optimizer may step on)
         instead of writing; `take()` hands the copies over. Folders are still made at
         once (DeepSpeed makes them, and copies its recovery scripts, inline)."""
 

@@ -47,6 +47,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 log = logging.getLogger(__name__)
 
+STATE_FILE = "trainer_state.json"
+"""A checkpoint's own record (step, world size, layout), written last before its manifests;
+here, below the strategies, so that DeepSpeed's resume check reads its name too."""
+
 Writer = Callable[[], None]
 """Writes what a part staged; runs on the background thread."""
 

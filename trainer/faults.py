@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 HOLD_ENV = "RAYLIFT_FAULT_HOLD"
 HOLD_WRITE_ENV = "RAYLIFT_FAULT_HOLD_WRITE"
 """STEP:PATH, the same form: holds only the background write of step STEP's checkpoint
-(trainer.checkpoint.staging) after its data files and before its manifest, until PATH exists;
+(trainer.storage.staging) after its data files and before its manifest, until PATH exists;
 training goes on meanwhile, which is the point. The holder touches PATH.write.r<RANK>."""
 HOLD_UPLOAD_ENV = "RAYLIFT_FAULT_HOLD_UPLOAD"
 """STEP:PATH, the same form: holds only step STEP's upload, before its manifests, until

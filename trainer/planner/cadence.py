@@ -658,7 +658,7 @@ def for_run(
     """The run's cadence when either tier is `auto` (None when both are numbers): priors
     from the pool (or checkpoint.failure_rate_per_hour), moved by the run's own journal
     and by `past`: the faults and hours (as this job's) of the cluster's past runs on its
-    pool (trainer.checkpoint.fault_history), pooled with the run's own."""
+    pool (trainer.planner.fault_history), pooled with the run's own."""
     if every_steps != "auto" and memory_every != "auto":
         return None
     rates = prior_rates(nodes, gpus_per_node, spot_band, hard_per_hour=failure_rate_per_hour)

@@ -1,7 +1,7 @@
 """The cluster's past runs as evidence for the cadence's failure rates (issue 49).
 
 The cadence starts from a prior (the pool's spot band, a hardware rate per GPU-hour:
-`trainer.checkpoint.cadence.prior_rates`) that its own journal then moves. A new run on a
+`trainer.planner.cadence.prior_rates`) that its own journal then moves. A new run on a
 pool that lost a node a day in each of its last ten runs should not start from the
 catalog's guess, so the journals of the other runs under the same `storage.path` count
 too, for the same pool only: instance type and market (a spot pool and an on-demand pool
@@ -38,7 +38,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainer.checkpoint.cadence import (
+from trainer.planner.cadence import (
     INSTANCE_TYPE_LABELS,
     MARKET_LABELS,
     PRIOR_HOURS,
