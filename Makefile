@@ -30,19 +30,21 @@ TEST_TIMEOUT ?= 600
 
 setup: $(STAMP)
 
-# What is installed must be byte-compiled, and that must stay: where PYTHONDONTWRITEBYTECODE
-# is set (this CI machine sets it), Python keeps nothing it compiles on import, and every
-# Ray worker would compile every module it imports again. pip compiles file by file on one
-# core (98 of its 132 CPU-seconds here), so it installs without compiling and compileall
-# then compiles on every core (-j 0): 57 s instead of ~100 on 2 cores. Like pip, it passes
-# over the few files that are not Python 3.11 (e.g. torch's py312 test helpers): -qq and
-# `|| true`, since those fail to compile with pip too and are never imported.
+# Python keeps the bytecode it compiles, for every process make starts: where
+# PYTHONDONTWRITEBYTECODE is set (this CI machine sets it), nothing compiled on import is
+# kept, and every Ray worker, job driver and torchrun rank compiled again each module it
+# imports: ~13 CPU-s for a training worker's libraries, ~1 s for this repository's own
+# modules, in each process. Unexported, the first
+# process to import a module writes its .pyc (atomically) and the rest read it, so only
+# what is imported is ever compiled (pip installs without compiling, which would take
+# ~100 s for the whole venv, most of it never imported).
+unexport PYTHONDONTWRITEBYTECODE
+
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet pip==26.3
 	$(BIN)/python -m pip install --quiet --no-compile $(TORCH)
 	$(BIN)/python -m pip install --quiet --no-compile -e '.[$(EXTRAS)]'
-	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib || true
 	@touch $(STAMP)
 
 demo: $(STAMP)
