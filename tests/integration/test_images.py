@@ -55,7 +55,7 @@ images:
   parent:
     layer: parent
     variant: cpu
-    repo: raylift-test/parent
+    repo: raylift-test-{ns}/parent
     dockerfile: parent/Dockerfile
     requirements: parent/requirements.in
     lock: parent/requirements.lock
@@ -64,7 +64,7 @@ images:
   child:
     layer: child
     variant: cpu
-    repo: raylift-test/child
+    repo: raylift-test-{ns}/child
     base: parent
     dockerfile: child/Dockerfile
     requirements: child/requirements.in
@@ -154,7 +154,10 @@ def tiny_context(root: Path, os_image: str, bake: bool = False) -> tool.Graph:
         (root / name / "Dockerfile").write_text(text)
         (root / name / "requirements.in").write_text("")
         (root / name / "requirements.lock").write_text(f"# {name} {root.name}\n")
-    (root / "graph.yaml").write_text(GRAPH.format(os_image=os_image))
+    # Repositories of their own: a second `make test` on the same machine (one image store)
+    # builds, tags and removes the same tiny chain at the same time.
+    graph = GRAPH.format(os_image=os_image, ns=secrets.token_hex(4))
+    (root / "graph.yaml").write_text(graph)
     return tool.load_graph(root / "graph.yaml", root)
 
 
